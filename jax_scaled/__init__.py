@@ -1,0 +1,41 @@
+"""jax_scaled: FP16 and FP8 training in JAX by scale propagation.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jax_scaled as js
+    >>> f = js.scalify(lambda x: x @ x.T)
+    >>> out = f(js.as_scaled_array(jnp.ones((2, 4), jnp.float16)))
+    >>> float(js.asarray(out)[0, 0])
+    4.0
+"""
+
+from jax_scaled import rules as _rules  # noqa: F401  (registers the scale rules)
+from jax_scaled import tree
+from jax_scaled.array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
+from jax_scaled.config import ScalifyConfig, current_config
+from jax_scaled.interpreter import scalify
+from jax_scaled.pow2 import Rounding, pow2_round, pow2_split
+from jax_scaled.primitives import get_data_and_scale, rebalance, set_scaling, stop_scaling
+from jax_scaled.registry import register_scale_rule, registered_primitives
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Rounding",
+    "ScaledArray",
+    "ScalifyConfig",
+    "as_scaled_array",
+    "asarray",
+    "current_config",
+    "get_data_and_scale",
+    "is_scaled_leaf",
+    "pow2_round",
+    "pow2_split",
+    "rebalance",
+    "register_scale_rule",
+    "registered_primitives",
+    "scalify",
+    "scaled_array",
+    "set_scaling",
+    "stop_scaling",
+    "tree",
+]

@@ -1,0 +1,93 @@
+"""The one door to JAX internals.
+
+Every import of ``jax._src``, ``jax.extend`` or ``jax.core`` in jax_scaled lives here, so that
+a JAX upgrade that moves an internal touches one file. Everything else imports from this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from jax._src import source_info_util
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.lax import lax as _lax_impl
+from jax.extend import core as jex_core
+from jax.extend.core import primitives as lax_primitives
+
+Primitive = jex_core.Primitive
+Jaxpr = jex_core.Jaxpr
+ClosedJaxpr = jex_core.ClosedJaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+Var = jex_core.Var
+DropVar = jex_core.DropVar
+
+jit_p = lax_primitives.jit_p
+custom_jvp_call_p = lax_primitives.custom_jvp_call_p
+custom_vjp_call_p = lax_primitives.custom_vjp_call_p
+closed_call_p = lax_primitives.closed_call_p
+split_p = getattr(_lax_impl, "split_p", None)
+NOT_MAPPED = getattr(batching, "not_mapped", None)  # None in recent JAX
+
+__all__ = [
+    "ClosedJaxpr",
+    "DropVar",
+    "NOT_MAPPED",
+    "Jaxpr",
+    "JaxprEqn",
+    "Literal",
+    "Primitive",
+    "Var",
+    "ad",
+    "all_lax_primitives",
+    "batching",
+    "closed_call_p",
+    "custom_jvp_call_p",
+    "custom_vjp_call_p",
+    "eqn_source_line",
+    "eqn_user_context",
+    "is_unspecified_sharding",
+    "jit_p",
+    "lax_primitives",
+    "mlir",
+    "split_p",
+]
+
+
+def eqn_source_line(eqn: JaxprEqn) -> str:
+    """The user's source location of an equation, as ``file:line (function)``."""
+    return source_info_util.summarize(eqn.source_info)
+
+
+@contextlib.contextmanager
+def eqn_user_context(eqn: JaxprEqn):
+    """Context in which primitives re-bound for ``eqn`` keep its source info and name stack."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        with eqn.ctx.manager:
+            yield
+
+
+def eqn_bind_params(eqn: JaxprEqn) -> tuple[list, dict]:
+    """``(subfuns, params)`` to re-bind ``eqn`` as is, like ``jax.core.eval_jaxpr`` does."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # JAX before 0.7 also returned sub-functions
+        return params
+    return [], params
+
+
+def is_unspecified_sharding(sharding) -> bool:
+    """True for JAX's "no sharding given" marker (``UNSPECIFIED``) and for None."""
+    return sharding is None or type(sharding).__name__ == "UnspecifiedValue"
+
+
+def all_lax_primitives() -> dict[str, Primitive]:
+    """Every primitive JAX exposes in ``jax.extend.core.primitives``, by name."""
+    found = {}
+    for attr in dir(lax_primitives):
+        value = getattr(lax_primitives, attr)
+        if isinstance(value, Primitive):
+            found[value.name] = value
+    if split_p is not None:
+        found.setdefault(split_p.name, split_p)
+    return found

@@ -1,0 +1,226 @@
+"""ScaledArray: a tensor held as ``data * scale``, and its constructors and converters."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_scaled.pow2 import pow2_split
+
+DTypeLike = Any
+
+
+def _is_array_like(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or (
+        hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "aval")
+    )
+
+
+def _is_float_dtype(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class ScaledArray:
+    """A tensor represented as ``data * scale``.
+
+    ``data`` holds the values in a (usually narrow) floating format; ``scale`` is a floating
+    array broadcastable to ``data``, in practice a power-of-two scalar. Shape and dtype are
+    those of ``data``: a ScaledArray stands in for an array of that shape and dtype.
+
+    Construction is validated: ``data`` must be a floating array, ``scale`` a floating array
+    broadcastable to it. (Pytree unflattening skips validation, so JAX transformations can
+    carry placeholders and batched scales through it.)
+
+    Example:
+        >>> x = ScaledArray(jnp.array([1.0, 1.5], jnp.float16), jnp.float32(0.25))
+        >>> x.to_array()
+        Array([0.25 , 0.375], dtype=float16)
+    """
+
+    data: jax.Array
+    scale: jax.Array
+
+    def __post_init__(self):
+        _check_data(self.data)
+        _check_scale(self.scale, self.data)
+
+    # pytree protocol
+    def tree_flatten(self):
+        return (self.data, self.scale), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "data", children[0])
+        object.__setattr__(obj, "scale", children[1])
+        return obj
+
+    # array-like properties (of the represented tensor)
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def aval(self) -> jax.core.ShapedArray:
+        return jax.core.ShapedArray(self.shape, self.dtype)
+
+    def to_array(self, dtype: DTypeLike | None = None) -> jax.Array:
+        """The represented value ``data * scale``, in ``dtype`` (default: the data dtype).
+
+        The product is formed in float32 (or the data dtype if wider), then cast, so a value
+        representable in ``dtype`` is returned exactly.
+        """
+        dtype = jnp.dtype(dtype or self.dtype)
+        compute = jnp.promote_types(jnp.promote_types(self.dtype, jnp.float32), dtype)
+        value = self.data.astype(compute) * self.scale.astype(compute)
+        return value.astype(dtype)
+
+    def astype(self, dtype: DTypeLike) -> ScaledArray:
+        """The same scaled value with data cast to ``dtype``; the scale is kept."""
+        return ScaledArray(self.data.astype(dtype), self.scale)
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.to_array(), dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"
+
+
+def _check_data(data: Any) -> None:
+    if isinstance(data, ScaledArray):
+        raise TypeError("ScaledArray data cannot itself be a ScaledArray.")
+    if not _is_array_like(data):
+        raise TypeError(
+            f"ScaledArray data must be an array (jax.Array or numpy.ndarray), "
+            f"got {type(data).__name__}. Use scaled_array(...) to convert Python values."
+        )
+    if not _is_float_dtype(data.dtype):
+        raise TypeError(f"ScaledArray data must have a floating dtype, got {data.dtype}.")
+
+
+def _check_scale(scale: Any, data: Any) -> None:
+    if not _is_array_like(scale):
+        raise TypeError(
+            f"ScaledArray scale must be an array, got {type(scale).__name__}. "
+            "Use scaled_array(...) to convert Python values."
+        )
+    if not _is_float_dtype(scale.dtype):
+        raise TypeError(f"ScaledArray scale must have a floating dtype, got {scale.dtype}.")
+    try:
+        broadcast = np.broadcast_shapes(tuple(scale.shape), tuple(data.shape))
+    except ValueError:
+        broadcast = None
+    if broadcast != tuple(data.shape):
+        raise ValueError(
+            f"ScaledArray scale of shape {tuple(scale.shape)} does not broadcast to data "
+            f"of shape {tuple(data.shape)}."
+        )
+
+
+def is_scaled_leaf(x: Any) -> bool:
+    """True for the leaves of a scaled pytree: ScaledArrays, arrays and scalars.
+
+    Pass it as ``is_leaf`` to ``jax.tree`` functions so they stop at ScaledArrays instead of
+    descending into ``data`` and ``scale``.
+
+    Example:
+        >>> tree = {"w": scaled_array([1.0], 2.0)}
+        >>> type(jax.tree.leaves(tree, is_leaf=is_scaled_leaf)[0]).__name__
+        'ScaledArray'
+    """
+    return isinstance(x, ScaledArray) or np.isscalar(x) or _is_array_like(x)
+
+
+def scaled_array(data, scale, dtype: DTypeLike | None = None) -> ScaledArray:
+    """Build a ScaledArray from array-likes (Python lists and scalars included).
+
+    ``data`` is converted to ``dtype`` (default: its own floating dtype); ``scale`` to a
+    float32 array unless it already has a floating dtype.
+
+    Example:
+        >>> scaled_array([1.0, 2.0], 0.5, dtype=jnp.float16).to_array()
+        Array([0.5, 1. ], dtype=float16)
+    """
+    data = jnp.asarray(data, dtype=dtype)
+    scale = jnp.asarray(scale)
+    if not _is_float_dtype(scale.dtype):
+        scale = scale.astype(jnp.float32)
+    return ScaledArray(data, scale)
+
+
+def _as_scaled_leaf(x: Any, scale, scale_dtype) -> Any:
+    if isinstance(x, ScaledArray):
+        return x if scale_dtype is None else ScaledArray(x.data, x.scale.astype(scale_dtype))
+    if not (_is_array_like(x) or isinstance(x, float)):
+        return x
+    if not _is_float_dtype(jnp.result_type(x)):
+        return x
+    x = jnp.asarray(x)
+    if scale is not None:
+        scale = jnp.asarray(scale, dtype=jnp.float32)
+        data = (x.astype(jnp.promote_types(x.dtype, jnp.float32)) / scale).astype(x.dtype)
+    elif x.ndim == 0:
+        data, scale = pow2_split(x)
+    else:
+        data, scale = x, jnp.ones((), jnp.float32)
+    return ScaledArray(data, scale.astype(scale_dtype or jnp.float32))
+
+
+def as_scaled_array(tree: Any, scale=None, scale_dtype: DTypeLike | None = None) -> Any:
+    """Turn every floating leaf of ``tree`` into a ScaledArray (value unchanged).
+
+    Arrays get ``scale`` (default 1, so ``data`` is the array itself); floating scalars are
+    split into a mantissa and an exact power-of-two scale. Integer and boolean leaves and
+    non-array values are returned unchanged; ScaledArray leaves are kept (their scale cast
+    to ``scale_dtype`` if given). ``scale_dtype`` defaults to float32; pass
+    ``jnp.float8_e8m0fnu`` for E8M0 scales.
+
+    Example:
+        >>> x = as_scaled_array({"w": jnp.ones(2), "step": jnp.int32(0)})
+        >>> type(x["w"]).__name__, type(x["step"]).__name__
+        ('ScaledArray', 'ArrayImpl')
+    """
+    return jax.tree.map(
+        lambda x: _as_scaled_leaf(x, scale, scale_dtype),
+        tree,
+        is_leaf=lambda x: isinstance(x, ScaledArray),
+    )
+
+
+def asarray(tree: Any, dtype: DTypeLike | None = None) -> Any:
+    """Turn every ScaledArray of ``tree`` back into a plain array ``data * scale``.
+
+    ``dtype`` casts every floating leaf (scaled or not); other leaves are unchanged.
+
+    Example:
+        >>> asarray(scaled_array([1.0, 3.0], 0.5))
+        Array([0.5, 1.5], dtype=float32)
+    """
+
+    def convert(x):
+        if isinstance(x, ScaledArray):
+            return x.to_array(dtype)
+        if dtype is not None and _is_array_like(x) and _is_float_dtype(x.dtype):
+            return jnp.asarray(x, dtype=dtype)
+        return x
+
+    return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, ScaledArray))

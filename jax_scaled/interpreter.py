@@ -1,0 +1,329 @@
+"""The scalify transform: trace a function to a jaxpr and re-run it on ScaledArrays.
+
+Each value of the jaxpr travels in a :class:`Slot`: the value itself (a plain array or a
+ScaledArray) and what is statically known about it (is it a broadcast scalar, and of which
+constant). An equation whose inputs are all plain is bound untouched; a higher-order equation
+(``jit``, ``custom_jvp_call``, ...) has its sub-jaxpr interpreted; any other equation with a
+scaled input goes to its registered scale rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_scaled import _jax_internals as jxi
+from jax_scaled.array import ScaledArray, _is_array_like
+from jax_scaled.config import ScalifyConfig, current_config
+from jax_scaled.pow2 import MAX_SCALE_EXPONENT, MIN_SCALE_EXPONENT, pow2_split
+from jax_scaled.registry import applies_to_unscaled, find_scale_rule
+
+Value = Any  # jax.Array | ScaledArray
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A jaxpr value during interpretation, with its static facts.
+
+    ``constant`` is the Python value of a broadcast scalar known at trace time (a literal,
+    a folded constant). ``base`` is the 0-d array the value is a broadcast of, when known.
+    """
+
+    value: Value
+    constant: float | None = None
+    base: jax.Array | None = None
+
+    @property
+    def is_scaled(self) -> bool:
+        return isinstance(self.value, ScaledArray)
+
+
+# Plain shape-only primitives through which "broadcast of a scalar" facts survive.
+_FACT_PRESERVING = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p"}
+
+
+def scalify(fn: Callable, *, config: ScalifyConfig | None = None) -> Callable:
+    """Transform ``fn`` to propagate scales through every operation it performs.
+
+    The returned function has ``fn``'s signature. It accepts pytrees of arrays and
+    ScaledArrays in positional and keyword arguments; operations that see a ScaledArray
+    apply their scale rule, the rest run untouched. Leaves that are not arrays (Python
+    numbers, strings, callables) are treated as static values, baked into the trace; under
+    ``jax.jit`` mark them static there too (``static_argnums``) or bind them with
+    ``functools.partial``.
+
+    Args:
+        fn: the function to transform.
+        config: a ScalifyConfig to trace under (default: the active one, see ScalifyConfig).
+
+    Example:
+        >>> f = scalify(lambda x, y: x * y + x)
+        >>> out = f(scaled_array([1.0, 2.0], 2.0**-20), scaled_array([3.0, 4.0], 1.0))
+        >>> isinstance(out, ScaledArray), float(out.to_array()[1] * 2**20)
+        (True, 10.0)
+    """
+
+    @functools.wraps(fn)
+    def scalified(*args, **kwargs):
+        with config if config is not None else contextlib.nullcontext():
+            return _scalify_call(fn, args, kwargs)
+
+    return scalified
+
+
+def _is_dynamic_leaf(x: Any) -> bool:
+    return isinstance(x, ScaledArray) or _is_array_like(x)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    weak_type = bool(getattr(getattr(x, "aval", None), "weak_type", False))
+    if isinstance(x, ScaledArray):
+        _check_scalar_scale(x)
+        weak_type = False
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak_type)
+
+
+def _check_scalar_scale(x: ScaledArray) -> None:
+    if np.ndim(x.scale) != 0:
+        raise NotImplementedError(
+            f"scalify supports scalar (per-tensor) scales only; got a ScaledArray of shape "
+            f"{x.shape} with scale of shape {tuple(np.shape(x.scale))}."
+        )
+
+
+def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=lambda x: isinstance(x, ScaledArray))
+    is_dynamic = [_is_dynamic_leaf(x) for x in leaves]
+    dynamic = [x for x, d in zip(leaves, is_dynamic) if d]
+    out_tree_box: list = []
+
+    def flat_fn(*dynamic_values):
+        values = iter(dynamic_values)
+        merged = [next(values) if d else x for x, d in zip(leaves, is_dynamic)]
+        call_args, call_kwargs = jax.tree.unflatten(in_tree, merged)
+        out_leaves, out_tree = jax.tree.flatten(fn(*call_args, **call_kwargs))
+        out_tree_box.append(out_tree)
+        return out_leaves
+
+    closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in dynamic])
+    out_slots = interpret_jaxpr(closed.jaxpr, closed.consts, [Slot(x) for x in dynamic])
+    return jax.tree.unflatten(out_tree_box[0], [s.value for s in out_slots])
+
+
+def interpret_jaxpr(jaxpr: jxi.Jaxpr, consts: Sequence[Any], in_slots: Sequence[Slot]) -> list[Slot]:
+    """Run ``jaxpr`` on slots, applying scale rules; returns the output slots."""
+    env: dict[jxi.Var, Slot] = {}
+
+    def read(atom) -> Slot:
+        if isinstance(atom, jxi.Literal):
+            return _constant_slot(atom.val)
+        return env[atom]
+
+    for var, const in zip(jaxpr.constvars, consts):
+        env[var] = _constant_slot(const)
+    for var, slot in zip(jaxpr.invars, in_slots, strict=True):
+        env[var] = slot
+    for eqn in jaxpr.eqns:
+        out_slots = interpret_eqn(eqn, [read(v) for v in eqn.invars])
+        for var, slot in zip(eqn.outvars, out_slots, strict=True):
+            if not isinstance(var, jxi.DropVar):
+                env[var] = slot
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _constant_slot(value: Any) -> Slot:
+    if isinstance(value, ScaledArray) or isinstance(value, jax.core.Tracer):
+        return Slot(value)
+    if np.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.floating):
+        return Slot(value, constant=float(value), base=value)
+    return Slot(value)
+
+
+def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
+    """Interpret one equation: forward it, recurse into it, or apply its scale rule."""
+    if not any(s.is_scaled for s in in_slots) and not applies_to_unscaled(eqn.primitive):
+        return _forward(eqn, in_slots)
+    higher_order = _HIGHER_ORDER_RULES.get(eqn.primitive)
+    if higher_order is not None:
+        with jxi.eqn_user_context(eqn):
+            return higher_order(eqn, in_slots)
+    rule = find_scale_rule(eqn.primitive)
+    if rule is None:
+        raise NotImplementedError(
+            f"scalify has no scale rule for primitive '{eqn.primitive.name}', used at "
+            f"{jxi.eqn_source_line(eqn)}. Register one with jax_scaled.register_scale_rule, "
+            "or leave this value unscaled (jax_scaled.stop_scaling) before the operation."
+        )
+    invals = _promote_inputs(in_slots)
+    with jxi.eqn_user_context(eqn):
+        outs = rule(*invals, **eqn.params)
+    outs = list(outs) if eqn.primitive.multiple_results else [outs]
+    _check_rule_outputs(eqn, outs)
+    return [Slot(v) for v in outs]
+
+
+def _forward(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
+    subfuns, params = jxi.eqn_bind_params(eqn)
+    with jxi.eqn_user_context(eqn):
+        outs = eqn.primitive.bind(*subfuns, *[s.value for s in in_slots], **params)
+    outs = list(outs) if eqn.primitive.multiple_results else [outs]
+    if eqn.primitive.name in _FACT_PRESERVING and in_slots[0].base is not None:
+        return [Slot(outs[0], constant=in_slots[0].constant, base=in_slots[0].base)]
+    return [_plain_slot(v) for v in outs]
+
+
+def _plain_slot(value: Any) -> Slot:
+    is_float_scalar = np.ndim(value) == 0 and jnp.issubdtype(value.dtype, jnp.floating)
+    return Slot(value, base=value if is_float_scalar else None)
+
+
+def _check_rule_outputs(eqn: jxi.JaxprEqn, outs: list[Value]) -> None:
+    for var, out in zip(eqn.outvars, outs, strict=True):
+        aval = var.aval
+        if tuple(out.shape) != tuple(aval.shape) or out.dtype != aval.dtype:
+            raise RuntimeError(
+                f"the scale rule of '{eqn.primitive.name}' returned {out.dtype}{list(out.shape)}"
+                f" where the program expects {aval.dtype}{list(aval.shape)} (at "
+                f"{jxi.eqn_source_line(eqn)}). This is a bug in the rule."
+            )
+        if isinstance(out, ScaledArray):
+            _check_scalar_scale(out)
+
+
+# ---------------------------------------------------------------------------------------
+# Promotion of broadcast scalars and special constants
+# ---------------------------------------------------------------------------------------
+
+
+def _promote_inputs(in_slots: list[Slot]) -> list[Value]:
+    reference = next((s.value.scale for s in in_slots if s.is_scaled), None)
+    if reference is None:
+        return [s.value for s in in_slots]
+    return [_promote(s, reference) for s in in_slots]
+
+
+def _promote(slot: Slot, reference_scale: jax.Array) -> Value:
+    value = slot.value
+    if slot.is_scaled or slot.base is None or not jnp.issubdtype(value.dtype, jnp.floating):
+        return value
+    scale_dtype = current_config().scale_dtype or reference_scale.dtype
+    if slot.constant is not None and (slot.constant == 0 or not math.isfinite(slot.constant)):
+        # Zeros, infinities and NaNs are the same at any scale: take the other operand's.
+        return ScaledArray(value, reference_scale)
+    if slot.constant is not None:
+        mantissa, scale = static_pow2_split(slot.constant)
+        data = jnp.full(value.shape, mantissa, value.dtype)
+        return ScaledArray(data, jnp.asarray(scale, jnp.float32).astype(scale_dtype))
+    mantissa, scale = pow2_split(jnp.asarray(slot.base))
+    data = jnp.broadcast_to(mantissa.astype(value.dtype), value.shape)
+    return ScaledArray(data, scale.astype(scale_dtype))
+
+
+def static_pow2_split(value: float) -> tuple[float, float]:
+    """Trace-time version of :func:`jax_scaled.pow2.pow2_split` (round down) for a Python float.
+
+    Example:
+        >>> static_pow2_split(-6.0)
+        (-1.5, 4.0)
+    """
+    if value == 0 or not math.isfinite(value):
+        return value, 1.0
+    mantissa, exponent = math.frexp(value)
+    exponent = min(max(exponent - 1, MIN_SCALE_EXPONENT), MAX_SCALE_EXPONENT)
+    return value / 2.0**exponent, 2.0**exponent
+
+
+# ---------------------------------------------------------------------------------------
+# Higher-order primitives
+# ---------------------------------------------------------------------------------------
+
+HigherOrderRule = Callable[[jxi.JaxprEqn, list], list]
+_HIGHER_ORDER_RULES: dict[jxi.Primitive, HigherOrderRule] = {}
+
+
+def register_higher_order_rule(primitive: jxi.Primitive) -> Callable[[HigherOrderRule], HigherOrderRule]:
+    """Register a handler ``(eqn, in_slots) -> out_slots`` for a primitive with sub-jaxprs."""
+
+    def register(rule: HigherOrderRule) -> HigherOrderRule:
+        _HIGHER_ORDER_RULES[primitive] = rule
+        return rule
+
+    return register
+
+
+def higher_order_primitives() -> dict[str, str]:
+    """Names of the primitives interpreted recursively, with the module handling each."""
+    return {p.name: rule.__module__ for p, rule in _HIGHER_ORDER_RULES.items()}
+
+
+def _interpret_closed(closed: jxi.ClosedJaxpr, in_slots: list[Slot]) -> list[Slot]:
+    return interpret_jaxpr(closed.jaxpr, closed.consts, in_slots)
+
+
+def _inline_call(param_name: str) -> HigherOrderRule:
+    def rule(eqn, in_slots):
+        return _interpret_closed(eqn.params[param_name], in_slots)
+
+    return rule
+
+
+# The forward computation of custom derivative rules is interpreted in place: scalify's input
+# jaxpr already contains the user's derivative rules wherever jax.grad was traced inside it.
+register_higher_order_rule(jxi.custom_jvp_call_p)(_inline_call("call_jaxpr"))
+register_higher_order_rule(jxi.custom_vjp_call_p)(_inline_call("call_jaxpr"))
+register_higher_order_rule(jxi.closed_call_p)(_inline_call("call_jaxpr"))
+
+
+@register_higher_order_rule(jxi.jit_p)
+def _jit_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
+    """Re-bind a nested ``jit`` through ``jax.jit``, keeping its name, donation and shardings."""
+    params = eqn.params
+    constants = [s.constant if not s.is_scaled else None for s in in_slots]
+
+    def body(*values):
+        slots = [
+            _constant_slot(v) if c is None else Slot(v, constant=c, base=None)
+            for v, c in zip(values, constants)
+        ]
+        return [s.value for s in _interpret_closed(params["jaxpr"], slots)]
+
+    body.__name__ = body.__qualname__ = params["name"]
+    values = [s.value for s in in_slots]
+    jit_kwargs = dict(
+        donate_argnums=tuple(i for i, d in enumerate(params["donated_invars"]) if d),
+        keep_unused=params["keep_unused"],
+        inline=params["inline"],
+    )
+    jit_kwargs.update(_jit_shardings(params, body, values))
+    outs = jax.jit(body, **jit_kwargs)(*values)
+    return [_plain_slot(v) if not isinstance(v, ScaledArray) else Slot(v) for v in outs]
+
+
+def _jit_shardings(params: dict, body: Callable, values: list[Value]) -> dict:
+    in_shardings, out_shardings = params["in_shardings"], params["out_shardings"]
+    found = {}
+    if not all(jxi.is_unspecified_sharding(s) for s in in_shardings):
+        found["in_shardings"] = tuple(
+            _scaled_sharding(s, v) for s, v in zip(in_shardings, values, strict=True)
+        )
+    if not all(jxi.is_unspecified_sharding(s) for s in out_shardings):
+        out_shapes = jax.eval_shape(body, *values)
+        found["out_shardings"] = [
+            _scaled_sharding(s, v) for s, v in zip(out_shardings, out_shapes, strict=True)
+        ]
+    return found
+
+
+def _scaled_sharding(sharding: Any, value: Any) -> Any:
+    """The sharding of a value's data; a ScaledArray's scale is replicated."""
+    if not isinstance(value, ScaledArray) or jxi.is_unspecified_sharding(sharding):
+        return None if jxi.is_unspecified_sharding(sharding) else sharding
+    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return ScaledArray.tree_unflatten(None, (sharding, replicated))

@@ -1,0 +1,136 @@
+"""Power-of-two arithmetic: exact mantissa/scale splits and power-of-two rounding.
+
+Every scale jax_scaled produces is an exact power of two in ``[2^-126, 2^127]``: the normal
+range of float32, which is also inside E8M0 (``float8_e8m0fnu``). Staying in that range keeps
+scales exact on backends that flush float32 subnormals (XLA's CPU backend does), and makes the
+float32 and E8M0 scale dtypes agree bit for bit.
+
+The splits work on the bits of the float32 representation, so they are exact for float32,
+float16, bfloat16 and every float8 format, subnormals included.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+MIN_SCALE_EXPONENT = -126
+MAX_SCALE_EXPONENT = 127
+
+_MANTISSA_BITS = 23
+_EXPONENT_BIAS = 127
+_SQRT2_MANTISSA_BITS = 0x3504F3  # mantissa bits of sqrt(2) in float32
+
+
+class Rounding(str, enum.Enum):
+    """How a positive value is rounded to a power of two.
+
+    ``DOWN`` (the default, as the scalify paper recommends), ``UP``, or ``NEAREST`` (in log2).
+    """
+
+    DOWN = "down"
+    UP = "up"
+    NEAREST = "nearest"
+
+
+def _bits(x: jnp.ndarray) -> jnp.ndarray:
+    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+
+
+def _pow2_from_exponent(exponent: jnp.ndarray) -> jnp.ndarray:
+    """``2**exponent`` as float32, built from bits; exponent clipped to the normal range."""
+    exponent = jnp.clip(exponent, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
+    biased = (exponent + _EXPONENT_BIAS).astype(jnp.uint32)
+    return lax.bitcast_convert_type(biased << _MANTISSA_BITS, jnp.float32)
+
+
+def pow2_exponent(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
+    """Integer exponent ``e`` with ``2**e`` the power of two nearest ``|x|`` in ``rounding``.
+
+    Zeros, subnormals below ``2^-126``, infinities and NaNs have no meaningful exponent and get
+    the clamped bound (``-126`` for zeros and subnormals, ``0`` for non-finite values).
+
+    Example:
+        >>> int(pow2_exponent(jnp.float32(3.0)))
+        1
+        >>> int(pow2_exponent(jnp.float32(3.0), "up"))
+        2
+    """
+    rounding = Rounding(rounding)
+    bits = _bits(jnp.asarray(x))
+    biased = ((bits >> _MANTISSA_BITS) & 0xFF).astype(jnp.int32)
+    mantissa_bits = bits & ((1 << _MANTISSA_BITS) - 1)
+    exponent = biased - _EXPONENT_BIAS
+    if rounding is Rounding.UP:
+        exponent = exponent + (mantissa_bits != 0).astype(jnp.int32)
+    elif rounding is Rounding.NEAREST:
+        exponent = exponent + (mantissa_bits >= _SQRT2_MANTISSA_BITS).astype(jnp.int32)
+    exponent = jnp.where(biased == 0, MIN_SCALE_EXPONENT, exponent)
+    exponent = jnp.where(biased == 0xFF, 0, exponent)
+    return jnp.clip(exponent, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
+
+
+def pow2_round(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
+    """Round ``|x|`` to a power of two, as float32 in ``[2^-126, 2^127]``.
+
+    Zeros and non-finite values round to 1 (they carry no scale information).
+
+    Example:
+        >>> float(pow2_round(jnp.float32(0.3)))
+        0.25
+        >>> float(pow2_round(jnp.float32(0.3), "up"))
+        0.5
+    """
+    x = jnp.asarray(x)
+    scale = _pow2_from_exponent(pow2_exponent(x, rounding))
+    magnitude_bits = _bits(x) & 0x7FFFFFFF  # bit test: subnormals compare equal to 0 on CPU
+    finite_nonzero = (magnitude_bits != 0) & (magnitude_bits < 0x7F800000)
+    return jnp.where(finite_nonzero, scale, jnp.float32(1))
+
+
+def pow2_split(x, rounding: Rounding | str = Rounding.DOWN) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Split ``x`` into ``(mantissa, scale)`` with ``mantissa * scale == x`` exactly.
+
+    ``scale`` is a float32 power of two (elementwise); ``mantissa`` keeps the dtype of ``x``.
+    With ``"down"`` rounding, ``|mantissa|`` is in ``[1, 2)``; ``"up"`` gives ``(1/2, 1]``;
+    ``"nearest"`` gives ``[1/sqrt(2), sqrt(2))``. Zeros, infinities and NaNs get scale 1 and
+    are their own mantissa; values below ``2^-126`` get scale ``2^-126`` and a mantissa below 1.
+
+    Example:
+        >>> m, s = pow2_split(jnp.float16(-6.0))
+        >>> float(m), float(s)
+        (-1.5, 4.0)
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"pow2_split needs a floating-point array, got dtype {x.dtype}.")
+    scale = pow2_round(x, rounding)
+    mantissa = _exact_divide_by_pow2(x.astype(jnp.float32), scale)
+    return mantissa.astype(x.dtype), scale
+
+
+def _exact_divide_by_pow2(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
+    """``x / scale`` for float32 ``x`` (maybe subnormal) and a normal power-of-two ``scale``."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    is_subnormal = ((bits >> _MANTISSA_BITS) & 0xFF) == 0
+    # A subnormal x is (sign) * m * 2^-149 with integer m < 2^23: rebuild it from its integer
+    # mantissa so that no float operation ever sees the subnormal (flushed to zero on CPU).
+    sign = jnp.where((bits >> 31) == 1, jnp.float32(-1), jnp.float32(1))
+    integer_mantissa = (bits & ((1 << _MANTISSA_BITS) - 1)).astype(jnp.float32)
+    from_subnormal = sign * integer_mantissa * jnp.float32(2.0**-23) * (jnp.float32(2.0**-126) / scale)
+    return jnp.where(is_subnormal, from_subnormal, x / scale)
+
+
+def is_pow2(x) -> np.ndarray:
+    """True where ``x`` (a concrete array) is an exact positive power of two.
+
+    Example:
+        >>> bool(is_pow2(np.float32(0.125))), bool(is_pow2(np.float32(0.3)))
+        (True, False)
+    """
+    x = np.asarray(x, dtype=np.float64)
+    mantissa, _ = np.frexp(x)
+    return (x > 0) & np.isfinite(x) & (mantissa == 0.5)

@@ -1,0 +1,128 @@
+"""Shared building blocks for scale rules.
+
+Conventions every rule follows:
+
+* Scale arithmetic is done in float32 on 0-d arrays, then rounded to a power of two with the
+  configured rounding (:func:`round_scale`) and cast to the output scale dtype
+  (:func:`make_scale`), so float32 and E8M0 scales give bit-identical results.
+* Re-scaling data by a power-of-two ratio (:func:`rescale`) is done in float32 for narrow
+  dtypes and cast back once: exact unless the result leaves the data format's range.
+* A rule returns data in the dtype and shape the program expects (the interpreter checks).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_scaled.array import ScaledArray
+from jax_scaled.config import current_config
+from jax_scaled.pow2 import pow2_round
+
+Value = Any  # jax.Array | ScaledArray
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+    """The dtype rules compute in for data of ``dtype``: float32, or wider if ``dtype`` is."""
+    return jnp.promote_types(jnp.dtype(dtype), jnp.float32)
+
+
+def scale_f32(x: Value) -> jax.Array:
+    """The scale of ``x`` as a float32 0-d array (1 for a plain array)."""
+    if isinstance(x, ScaledArray):
+        return x.scale.astype(jnp.float32)
+    return jnp.ones((), jnp.float32)
+
+
+def out_scale_dtype(*xs: Value) -> jnp.dtype:
+    """Scale dtype of a rule's output: the configured one, else the first scaled input's."""
+    configured = current_config().scale_dtype
+    if configured is not None:
+        return configured
+    for x in xs:
+        if isinstance(x, ScaledArray):
+            return x.scale.dtype
+    return jnp.dtype(jnp.float32)
+
+
+def round_scale(scale: jax.Array) -> jax.Array:
+    """Round a positive float32 scale estimate to a power of two (configured rounding)."""
+    return pow2_round(scale, current_config().rounding)
+
+
+def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
+    """Cast a float32 power-of-two ``scale`` to the scale dtype of the inputs ``like``."""
+    return scale.astype(out_scale_dtype(*like))
+
+
+def sqrt_pow2(n: int) -> float:
+    """``sqrt(n)`` rounded to a power of two with the configured rounding (trace-time)."""
+    return float(pow2_round(jnp.float32(math.sqrt(max(n, 1))), current_config().rounding))
+
+
+def as_scaled(x: Value) -> ScaledArray:
+    """``x`` as a ScaledArray: a plain floating array gets scale 1."""
+    if isinstance(x, ScaledArray):
+        return x
+    return ScaledArray(x, jnp.ones((), jnp.float32))
+
+
+def rescale(data: jax.Array, ratio: jax.Array) -> jax.Array:
+    """``data * ratio`` (ratio a float32 power of two), rounded once into ``data.dtype``."""
+    wide = compute_dtype(data.dtype)
+    return (data.astype(wide) * ratio.astype(wide)).astype(data.dtype)
+
+
+def safe_ratio(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """``numerator / denominator`` for scales, with 0/0 (two zero scales) giving 1."""
+    return jnp.where(denominator == 0, jnp.float32(1), numerator / denominator)
+
+
+def align(*xs: Value, scale: jax.Array | None = None) -> tuple[list[jax.Array], jax.Array]:
+    """Express every input at one common scale: ``(datas, scale)``.
+
+    The common scale defaults to the largest input scale, so nothing overflows.
+    """
+    scales = [scale_f32(x) for x in xs]
+    if scale is None:
+        scale = max_scale(scales)
+    datas = [rescale(as_scaled(x).data, safe_ratio(s, scale)) for x, s in zip(xs, scales)]
+    return datas, scale
+
+
+def max_scale(scales: list[jax.Array]) -> jax.Array:
+    """Elementwise maximum of a list of 0-d scales."""
+    out = scales[0]
+    for s in scales[1:]:
+        out = jnp.maximum(out, s)
+    return out
+
+
+def to_compute(x: Value) -> jax.Array:
+    """The represented value ``data * scale`` in the compute dtype (float32 for narrow data)."""
+    x = as_scaled(x)
+    wide = compute_dtype(x.dtype)
+    return x.data.astype(wide) * x.scale.astype(wide)
+
+
+def from_compute(value: jax.Array, scale: jax.Array, dtype, *like: Value) -> ScaledArray:
+    """A ScaledArray of ``value`` (compute dtype) at the power-of-two ``scale`` (float32)."""
+    data = (value / scale.astype(value.dtype)).astype(dtype)
+    return ScaledArray(data, make_scale(scale, *like))
+
+
+def l2_scale(*scales: jax.Array) -> jax.Array:
+    """``sqrt(sum(s**2))`` of 0-d float32 scales, computed without overflow."""
+    largest = max_scale(list(scales))
+    total = sum(jnp.square(safe_ratio(s, largest)) for s in scales)
+    return jnp.sqrt(total) * largest
+
+
+def wide_data(x: Value, scale: jax.Array) -> jax.Array:
+    """The data of ``x`` re-expressed at ``scale``, in the compute dtype (not rounded back)."""
+    x = as_scaled(x)
+    wide = compute_dtype(x.dtype)
+    return x.data.astype(wide) * safe_ratio(scale_f32(x), scale).astype(wide)
