@@ -22,7 +22,7 @@ import numpy as np
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray, _is_array_like
 from jax_scaled.config import ScalifyConfig, current_config
-from jax_scaled.pow2 import MAX_SCALE_EXPONENT, MIN_SCALE_EXPONENT, pow2_split
+from jax_scaled.pow2 import pow2_split, static_pow2_split
 from jax_scaled.registry import applies_to_unscaled, find_scale_rule
 
 Value = Any  # jax.Array | ScaledArray
@@ -224,20 +224,6 @@ def _promote(slot: Slot, reference_scale: jax.Array) -> Value:
     mantissa, scale = pow2_split(jnp.asarray(slot.base))
     data = jnp.broadcast_to(mantissa.astype(value.dtype), value.shape)
     return ScaledArray(data, scale.astype(scale_dtype))
-
-
-def static_pow2_split(value: float) -> tuple[float, float]:
-    """Trace-time version of :func:`jax_scaled.pow2.pow2_split` (round down) for a Python float.
-
-    Example:
-        >>> static_pow2_split(-6.0)
-        (-1.5, 4.0)
-    """
-    if value == 0 or not math.isfinite(value):
-        return value, 1.0
-    mantissa, exponent = math.frexp(value)
-    exponent = min(max(exponent - 1, MIN_SCALE_EXPONENT), MAX_SCALE_EXPONENT)
-    return value / 2.0**exponent, 2.0**exponent
 
 
 # ---------------------------------------------------------------------------------------

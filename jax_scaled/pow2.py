@@ -134,3 +134,34 @@ def is_pow2(x) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     mantissa, _ = np.frexp(x)
     return (x > 0) & np.isfinite(x) & (mantissa == 0.5)
+
+
+def static_pow2_round(value: float, rounding: Rounding | str = Rounding.DOWN) -> float:
+    """Trace-time :func:`pow2_round` of a Python float (same rounding and clamping).
+
+    Example:
+        >>> static_pow2_round(3.0), static_pow2_round(3.0, "up")
+        (2.0, 4.0)
+    """
+    rounding = Rounding(rounding)
+    value = abs(float(value))
+    if value == 0 or not np.isfinite(value):
+        return 1.0
+    mantissa, exponent = np.frexp(value)  # value = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent -= 1
+    if rounding is Rounding.UP and mantissa != 0.5:
+        exponent += 1
+    elif rounding is Rounding.NEAREST and 2 * mantissa >= np.sqrt(2.0):
+        exponent += 1
+    return 2.0 ** int(np.clip(exponent, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT))
+
+
+def static_pow2_split(value: float) -> tuple[float, float]:
+    """Trace-time :func:`pow2_split` (round down) of a Python float: ``(mantissa, scale)``.
+
+    Example:
+        >>> static_pow2_split(-6.0)
+        (-1.5, 4.0)
+    """
+    scale = static_pow2_round(value)
+    return float(value) / scale, scale

@@ -1,3 +1,10 @@
 """Scale rules, one module per primitive family. Importing this package registers them all."""
 
-from jax_scaled.rules import elementwise, linalg  # noqa: F401
+from jax_scaled.rules import (  # noqa: F401
+    elementwise,
+    indexing,
+    linalg,
+    reductions,
+    shape,
+    transcendental,
+)

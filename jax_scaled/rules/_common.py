@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
-from jax_scaled.pow2 import pow2_round
+from jax_scaled.pow2 import pow2_round, static_pow2_round
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -60,7 +60,7 @@ def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
 
 def sqrt_pow2(n: int) -> float:
     """``sqrt(n)`` rounded to a power of two with the configured rounding (trace-time)."""
-    return float(pow2_round(jnp.float32(math.sqrt(max(n, 1))), current_config().rounding))
+    return static_pow2_round(math.sqrt(max(n, 1)), current_config().rounding)
 
 
 def as_scaled(x: Value) -> ScaledArray:

@@ -1,0 +1,178 @@
+"""Shared test tooling: hypothesis strategies for scaled inputs and float64 reference checks.
+
+A rule test draws ScaledArray inputs (random data in a dtype, random power-of-two scale in
+[2^-40, 2^40]), runs ``jit(scalify(fn))`` on them, runs ``fn`` on the represented values in
+float64 (``jax.enable_x64``), and checks the result is within the data format's rounding of the
+reference and that every output scale is an exact power of two.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from hypothesis import strategies as st
+
+import jax_scaled as js
+
+FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+MIN_EXP, MAX_EXP = -40, 40
+
+
+def eps(dtype) -> float:
+    """Machine epsilon (spacing at 1) of a float dtype."""
+    return float(ml_dtypes.finfo(jnp.dtype(dtype)).eps)
+
+
+def value64(x: Any) -> np.ndarray:
+    """The represented value of an array or ScaledArray, in float64 numpy (no overflow)."""
+    if isinstance(x, js.ScaledArray):
+        return np.asarray(x.data, np.float64) * np.asarray(x.scale, np.float64)
+    x = np.asarray(x)
+    if x.dtype.kind == "V" or jnp.issubdtype(x.dtype, jnp.floating):
+        return np.asarray(x, np.float64)
+    return x
+
+
+@st.composite
+def scales(draw, min_exp: int = MIN_EXP, max_exp: int = MAX_EXP) -> float:
+    """A random power of two 2^e, e in [min_exp, max_exp]."""
+    return 2.0 ** draw(st.integers(min_exp, max_exp))
+
+
+@st.composite
+def shapes(draw, min_dims: int = 1, max_dims: int = 3, max_side: int = 5) -> tuple[int, ...]:
+    """A small random shape."""
+    ndim = draw(st.integers(min_dims, max_dims))
+    return tuple(draw(st.integers(1, max_side)) for _ in range(ndim))
+
+
+def random_data(seed: int, shape, dtype, *, low: float | None = None, high: float | None = None):
+    """Standard-normal data (or uniform in [low, high]) in ``dtype``, as a numpy array."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(shape) if low is None else rng.uniform(low, high, shape)
+    return np.asarray(values, np.float32).astype(jnp.dtype(dtype))
+
+
+@st.composite
+def scaled_arrays(
+    draw,
+    shape,
+    dtype,
+    *,
+    min_exp: int = MIN_EXP,
+    max_exp: int = MAX_EXP,
+    low: float | None = None,
+    high: float | None = None,
+) -> js.ScaledArray:
+    """A ScaledArray of ``shape`` and ``dtype`` with random data and a random pow2 scale.
+
+    ``low``/``high`` draw uniform data instead of normal (for restricted domains: the
+    represented value is ``data * scale``, so pass ``min_exp=max_exp=0`` to control it).
+    """
+    seed = draw(st.integers(0, 2**31 - 1))
+    data = random_data(seed, shape, dtype, low=low, high=high)
+    return js.ScaledArray(jnp.asarray(data), jnp.float32(draw(scales(min_exp, max_exp))))
+
+
+def reference64(fn: Callable, *inputs: Any) -> Any:
+    """``fn`` evaluated in float64 on the represented values of ``inputs``."""
+    with jax.enable_x64(True):
+        args = [_to64(x) for x in inputs]
+        out = jax.jit(fn)(*args)
+        return jax.tree.map(np.asarray, out)
+
+
+def _to64(x: Any) -> Any:
+    value = value64(x)
+    if isinstance(value, np.ndarray) and value.dtype == np.float64:
+        return jnp.asarray(value, jnp.float64)
+    return jnp.asarray(x)
+
+
+def assert_pow2_scales(tree: Any) -> None:
+    """Every ScaledArray in ``tree`` has an exact power-of-two (or zero) scale."""
+    for leaf in js.tree.tree_leaves(tree):
+        if isinstance(leaf, js.ScaledArray):
+            scale = np.asarray(leaf.scale, np.float64)
+            assert np.all(js.pow2.is_pow2(scale) | (scale == 0)), f"scale {scale} not a power of 2"
+
+
+def assert_close(
+    actual: Any,
+    expected: Any,
+    dtype,
+    *,
+    ulps: float = 4.0,
+    normwise: bool = False,
+    atol: float = 0.0,
+) -> None:
+    """``actual`` within ``ulps`` roundings of ``dtype`` of the float64 ``expected``.
+
+    Elementwise relative error by default; ``normwise`` compares against the largest
+    reference magnitude instead (for sums and contractions, where cancellation makes
+    elementwise relative error meaningless). Non-finite values must match exactly.
+    """
+    got, want = value64(actual), np.asarray(expected)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if want.dtype.kind in "biu":
+        np.testing.assert_array_equal(got, want)
+        return
+    want = want.astype(np.float64)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite, err_msg="non-finite pattern differs")
+    np.testing.assert_array_equal(got[~finite], want[~finite])
+    tol = ulps * eps(dtype)
+    scale = np.max(np.abs(want[finite]), initial=0.0) if normwise else np.abs(want[finite])
+    error = np.abs(got[finite] - want[finite])
+    bound = tol * scale + atol
+    worst = np.max(error - bound, initial=-1.0)
+    assert worst <= 0, (
+        f"error above {ulps} ulps of {jnp.dtype(dtype).name}: max |err|={np.max(error):.3g}, "
+        f"got={got[finite].ravel()[:6]}, want={want[finite].ravel()[:6]}"
+    )
+
+
+def check_scaled(
+    fn: Callable,
+    inputs: Sequence[Any],
+    dtype,
+    *,
+    ulps: float = 4.0,
+    normwise: bool = False,
+    atol: float = 0.0,
+    expect_scaled: bool = True,
+) -> Any:
+    """Run ``jit(scalify(fn))`` on ``inputs`` and compare with the float64 reference.
+
+    Returns the scalified output. ``expect_scaled`` asserts that every floating output
+    is a ScaledArray with data in the program's dtype and a power-of-two scale.
+    """
+    out = jax.jit(js.scalify(fn))(*inputs)
+    expected = reference64(fn, *inputs)
+    assert_pow2_scales(out)
+    out_leaves = js.tree.tree_leaves(out)
+    for got, want in zip(out_leaves, jax.tree.leaves(expected), strict=True):
+        if expect_scaled and jnp.issubdtype(np.asarray(want).dtype, jnp.floating):
+            assert isinstance(got, js.ScaledArray), f"expected a ScaledArray, got {type(got)}"
+        assert_close(got, want, dtype, ulps=ulps, normwise=normwise, atol=atol)
+    return out
+
+
+def with_e8m0_scales(tree: Any) -> Any:
+    """The same scaled inputs with their scales stored as float8_e8m0fnu."""
+    return js.as_scaled_array(tree, scale_dtype=jnp.float8_e8m0fnu)
+
+
+def check_e8m0_matches(fn: Callable, inputs: Sequence[Any]) -> None:
+    """``scalify(fn)`` with E8M0 scales gives bit-identical values to float32 scales."""
+    out32 = jax.jit(js.scalify(fn))(*inputs)
+    with js.ScalifyConfig(scale_dtype=jnp.float8_e8m0fnu):
+        out8 = jax.jit(js.scalify(fn))(*with_e8m0_scales(list(inputs)))
+    for a, b in zip(js.tree.tree_leaves(out32), js.tree.tree_leaves(out8), strict=True):
+        if isinstance(b, js.ScaledArray):
+            assert b.scale.dtype == jnp.float8_e8m0fnu, b.scale.dtype
+        np.testing.assert_array_equal(value64(a), value64(b))
