@@ -7,6 +7,7 @@ a JAX upgrade that moves an internal touches one file. Everything else imports f
 from __future__ import annotations
 
 import contextlib
+import os
 
 from jax._src import source_info_util
 from jax._src.interpreters import ad, batching, mlir
@@ -28,6 +29,9 @@ custom_vjp_call_p = lax_primitives.custom_vjp_call_p
 closed_call_p = lax_primitives.closed_call_p
 split_p = getattr(_lax_impl, "split_p", None)
 NOT_MAPPED = getattr(batching, "not_mapped", None)  # None in recent JAX
+
+# Frames inside jax_scaled are library frames: source locations point at the user's code.
+source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
 
 __all__ = [
     "ClosedJaxpr",

@@ -161,9 +161,8 @@ def scaled_array(data, scale, dtype: DTypeLike | None = None) -> ScaledArray:
         Array([0.5, 1. ], dtype=float16)
     """
     data = jnp.asarray(data, dtype=dtype)
-    scale = jnp.asarray(scale)
-    if not _is_float_dtype(scale.dtype):
-        scale = scale.astype(jnp.float32)
+    scale_dtype = jnp.result_type(scale)
+    scale = jnp.asarray(scale, dtype=scale_dtype if _is_float_dtype(scale_dtype) else jnp.float32)
     return ScaledArray(data, scale)
 
 

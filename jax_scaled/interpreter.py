@@ -59,6 +59,10 @@ def scalify(fn: Callable, *, config: ScalifyConfig | None = None) -> Callable:
     ``jax.jit`` mark them static there too (``static_argnums``) or bind them with
     ``functools.partial``.
 
+    Under ``jax.vmap``, a ScaledArray's scale is mapped like any leaf: to share one scale
+    across the batch, pass ``in_axes``/``out_axes`` built as
+    ``jax.tree.unflatten(jax.tree.structure(x), [0, None])`` (data mapped, scale not).
+
     Args:
         fn: the function to transform.
         config: a ScalifyConfig to trace under (default: the active one, see ScalifyConfig).
@@ -146,19 +150,34 @@ def _constant_slot(value: Any) -> Slot:
     return Slot(value)
 
 
+_enclosing_source_lines: list[str] = []
+
+
+def _source_line(eqn: jxi.JaxprEqn) -> str:
+    """The user's line for ``eqn``, or that of the enclosing call (library code has none)."""
+    line = jxi.eqn_source_line(eqn)
+    if line and not line.startswith(":"):
+        return line
+    return next((s for s in reversed(_enclosing_source_lines) if s), "<unknown location>")
+
+
 def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     """Interpret one equation: forward it, recurse into it, or apply its scale rule."""
     if not any(s.is_scaled for s in in_slots) and not applies_to_unscaled(eqn.primitive):
         return _forward(eqn, in_slots)
     higher_order = _HIGHER_ORDER_RULES.get(eqn.primitive)
     if higher_order is not None:
-        with jxi.eqn_user_context(eqn):
-            return higher_order(eqn, in_slots)
+        _enclosing_source_lines.append(_source_line(eqn))
+        try:
+            with jxi.eqn_user_context(eqn):
+                return higher_order(eqn, in_slots)
+        finally:
+            _enclosing_source_lines.pop()
     rule = find_scale_rule(eqn.primitive)
     if rule is None:
         raise NotImplementedError(
             f"scalify has no scale rule for primitive '{eqn.primitive.name}', used at "
-            f"{jxi.eqn_source_line(eqn)}. Register one with jax_scaled.register_scale_rule, "
+            f"{_source_line(eqn)}. Register one with jax_scaled.register_scale_rule, "
             "or leave this value unscaled (jax_scaled.stop_scaling) before the operation."
         )
     invals = _promote_inputs(in_slots)
@@ -191,7 +210,7 @@ def _check_rule_outputs(eqn: jxi.JaxprEqn, outs: list[Value]) -> None:
             raise RuntimeError(
                 f"the scale rule of '{eqn.primitive.name}' returned {out.dtype}{list(out.shape)}"
                 f" where the program expects {aval.dtype}{list(aval.shape)} (at "
-                f"{jxi.eqn_source_line(eqn)}). This is a bug in the rule."
+                f"{_source_line(eqn)}). This is a bug in the rule."
             )
         if isinstance(out, ScaledArray):
             _check_scalar_scale(out)

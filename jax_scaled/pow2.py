@@ -42,7 +42,7 @@ def _bits(x: jnp.ndarray) -> jnp.ndarray:
 
 def _pow2_from_exponent(exponent: jnp.ndarray) -> jnp.ndarray:
     """``2**exponent`` as float32, built from bits; exponent clipped to the normal range."""
-    exponent = jnp.clip(exponent, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
+    exponent = lax.clamp(MIN_SCALE_EXPONENT, exponent, MAX_SCALE_EXPONENT)
     biased = (exponent + _EXPONENT_BIAS).astype(jnp.uint32)
     return lax.bitcast_convert_type(biased << _MANTISSA_BITS, jnp.float32)
 
@@ -70,7 +70,7 @@ def pow2_exponent(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
         exponent = exponent + (mantissa_bits >= _SQRT2_MANTISSA_BITS).astype(jnp.int32)
     exponent = jnp.where(biased == 0, MIN_SCALE_EXPONENT, exponent)
     exponent = jnp.where(biased == 0xFF, 0, exponent)
-    return jnp.clip(exponent, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
+    return lax.clamp(MIN_SCALE_EXPONENT, exponent, MAX_SCALE_EXPONENT)
 
 
 def pow2_round(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:

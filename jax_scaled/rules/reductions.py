@@ -1,1 +1,178 @@
-"""Scale rules: reductions primitives."""
+"""Scale rules for reductions: reduce_*, arg*, cumulative ops, sort, top_k, reduce_window_*.
+
+Order-based ops (max, min, arg*, sort, top_k) run on the data directly: a positive scale does
+not change an order. Sums follow the unit-scaling estimate ``s * sqrt(N)`` for ``N`` summed
+terms. Products have no useful unit-scaling estimate; their rules are exact while the
+represented values stay in range (see :func:`reduce_prod_rule` and :func:`cumprod_rule`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_scaled.array import ScaledArray
+from jax_scaled.pow2 import MAX_SCALE_EXPONENT, MIN_SCALE_EXPONENT, pow2_exponent
+from jax_scaled.registry import register_scale_rule
+from jax_scaled.rules._common import (
+    compute_dtype,
+    from_compute,
+    make_scale,
+    round_scale,
+    scale_f32,
+    sqrt_pow2,
+    to_compute,
+)
+
+
+def _same_scale(x: ScaledArray, data: jax.Array) -> ScaledArray:
+    return ScaledArray(data, x.scale)
+
+
+def _sum_like(x: ScaledArray, total: jax.Array, n: int) -> ScaledArray:
+    """A sum of ``n`` unit terms has scale ``sqrt(n)``: data ``total / sqrt(n)`` (pow2)."""
+    sqrt_n = sqrt_pow2(n)
+    data = total / jnp.asarray(sqrt_n, total.dtype) if sqrt_n != 1 else total
+    return ScaledArray(data, make_scale(scale_f32(x) * jnp.float32(sqrt_n), x))
+
+
+def _exp2(exponent: jax.Array) -> jax.Array:
+    """``2**exponent`` (int32) as float32, built from bits, clipped to the normal range."""
+    exponent = jnp.clip(exponent, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
+    return lax.bitcast_convert_type((exponent + 127).astype(jnp.uint32) << 23, jnp.float32)
+
+
+def _times_pow2(x: jax.Array, exponent: jax.Array) -> jax.Array:
+    """``x * 2**exponent``, exact while the result is in range (|exponent| up to 252)."""
+    half = exponent // 2
+    return x * _exp2(half).astype(x.dtype) * _exp2(exponent - half).astype(x.dtype)
+
+
+@register_scale_rule(lax.reduce_sum_p)
+def reduce_sum_rule(x: ScaledArray, *, axes: tuple[int, ...], **params) -> ScaledArray:
+    """Scale ``s * sqrt(N)``; data summed in its own dtype, then divided by ``sqrt(N)``."""
+    total = lax.reduce_sum_p.bind(x.data, axes=axes, **params)
+    return _sum_like(x, total, math.prod(x.shape[a] for a in axes))
+
+
+@register_scale_rule(lax.reduce_max_p)
+def reduce_max_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Scale ``s``: the maximum of the data."""
+    return _same_scale(x, lax.reduce_max_p.bind(x.data, **params))
+
+
+@register_scale_rule(lax.reduce_min_p)
+def reduce_min_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Scale ``s``: the minimum of the data."""
+    return _same_scale(x, lax.reduce_min_p.bind(x.data, **params))
+
+
+@register_scale_rule(lax.reduce_prod_p)
+def reduce_prod_rule(x: ScaledArray, *, axes: tuple[int, ...], **params) -> ScaledArray:
+    """Scale ``s**N`` (static, exact); data the product of the data in float32.
+
+    Exact while ``s**N`` is a float32 normal and the data product fits the data dtype; a
+    scale beyond the float32 range is clipped and the remainder folded into the data.
+    """
+    wide = compute_dtype(x.dtype)
+    total_exp = pow2_exponent(scale_f32(x)) * math.prod(x.shape[a] for a in axes)
+    out_exp = jnp.clip(total_exp, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
+    prod = lax.reduce_prod_p.bind(x.data.astype(wide), axes=axes, **params)
+    data = _times_pow2(prod, total_exp - out_exp).astype(x.dtype)
+    return ScaledArray(data, make_scale(_exp2(out_exp), x))
+
+
+@register_scale_rule(lax.argmax_p)
+def argmax_rule(x: ScaledArray, **params) -> jax.Array:
+    """Plain indices: the argmax of the data (a positive scale keeps the order)."""
+    return lax.argmax_p.bind(x.data, **params)
+
+
+@register_scale_rule(lax.argmin_p)
+def argmin_rule(x: ScaledArray, **params) -> jax.Array:
+    """Plain indices: the argmin of the data (a positive scale keeps the order)."""
+    return lax.argmin_p.bind(x.data, **params)
+
+
+@register_scale_rule(lax.cumsum_p)
+def cumsum_rule(x: ScaledArray, *, axis: int, reverse: bool) -> ScaledArray:
+    """Scale ``s * sqrt(N)`` with ``N`` the axis length; data cumsum in its dtype / sqrt(N)."""
+    total = lax.cumsum_p.bind(x.data, axis=axis, reverse=reverse)
+    return _sum_like(x, total, x.shape[axis])
+
+
+@register_scale_rule(lax.cumprod_p)
+def cumprod_rule(x: ScaledArray, *, axis: int, reverse: bool) -> ScaledArray:
+    """Scale ``s**ceil(N/2)``, the middle of the prefix scales ``s**k`` (k = 1..N).
+
+    Position ``k`` holds ``prod(data[:k]) * s**(k - ceil(N/2))`` computed in float32, exact
+    while that fits the data dtype: for short axes and moderate scales. No static estimate
+    suits long products (the data of a product drifts geometrically).
+    """
+    n = x.shape[axis]
+    wide = compute_dtype(x.dtype)
+    exponent = pow2_exponent(scale_f32(x))
+    out_exp = jnp.clip(exponent * ((n + 1) // 2), MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
+    counts = lax.broadcasted_iota(jnp.int32, x.shape, axis) + 1
+    counts = n + 1 - counts if reverse else counts
+    prod = lax.cumprod_p.bind(x.data.astype(wide), axis=axis, reverse=reverse)
+    data = _times_pow2(prod, exponent * counts - out_exp).astype(x.dtype)
+    return ScaledArray(data, make_scale(_exp2(out_exp), x))
+
+
+@register_scale_rule(lax.cummax_p)
+def cummax_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Scale ``s``: the running maximum of the data."""
+    return _same_scale(x, lax.cummax_p.bind(x.data, **params))
+
+
+@register_scale_rule(lax.cummin_p)
+def cummin_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Scale ``s``: the running minimum of the data."""
+    return _same_scale(x, lax.cummin_p.bind(x.data, **params))
+
+
+@register_scale_rule(lax.cumlogsumexp_p)
+def cumlogsumexp_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Scale ``max(s, 1)``: computed in float32 (or wider) from the represented value."""
+    out = lax.cumlogsumexp_p.bind(to_compute(x), **params)
+    scale = round_scale(jnp.maximum(scale_f32(x), jnp.float32(1)))
+    return from_compute(out, scale, x.dtype, x)
+
+
+@register_scale_rule(lax.sort_p)
+def sort_rule(*operands, **params) -> list:
+    """Each output keeps its operand's scale; scaled keys sort by data (scales are positive)."""
+    datas = [o.data if isinstance(o, ScaledArray) else o for o in operands]
+    outs = lax.sort_p.bind(*datas, **params)
+    pairs = zip(operands, outs, strict=True)
+    return [_same_scale(o, d) if isinstance(o, ScaledArray) else d for o, d in pairs]
+
+
+@register_scale_rule(lax.top_k_p)
+def top_k_rule(x: ScaledArray, **params) -> list:
+    """Values keep scale ``s``; indices are plain."""
+    values, indices = lax.top_k_p.bind(x.data, **params)
+    return [_same_scale(x, values), indices]
+
+
+@register_scale_rule(lax.reduce_window_sum_p)
+def reduce_window_sum_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Scale ``s * sqrt(window size)``; data window sums in its dtype / sqrt(window size)."""
+    total = lax.reduce_window_sum_p.bind(x.data, **params)
+    return _sum_like(x, total, math.prod(params["window_dimensions"]))
+
+
+@register_scale_rule(lax.reduce_window_max_p)
+def reduce_window_max_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Scale ``s``: window maxima of the data."""
+    return _same_scale(x, lax.reduce_window_max_p.bind(x.data, **params))
+
+
+@register_scale_rule(lax.reduce_window_min_p)
+def reduce_window_min_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Scale ``s``: window minima of the data."""
+    return _same_scale(x, lax.reduce_window_min_p.bind(x.data, **params))

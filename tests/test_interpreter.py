@@ -1,0 +1,190 @@
+"""The scalify transform: forwarding, composition with JAX transforms, nested calls, errors."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_scaled as js
+
+
+def scaled(x, scale=1.0, dtype=jnp.float32):
+    return js.scaled_array(jnp.asarray(x, dtype) / scale, scale, dtype=dtype)
+
+
+def affine(w, x):
+    return x @ w * 2.0 + 1.0
+
+
+class TestForwarding:
+    def test_plain_inputs_give_the_same_graph(self):
+        def f(x, w):
+            return jnp.sum(jax.nn.relu(jax.jit(affine)(w, x)))
+
+        x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+        assert str(jax.make_jaxpr(js.scalify(f))(x, w)) == str(jax.make_jaxpr(f)(x, w))
+
+    def test_unscaled_branches_of_a_mixed_program_are_untouched(self):
+        def f(x, y):
+            return x * 3.0, jnp.sin(y)  # no rule is needed for sin on a plain y
+
+        out_x, out_y = js.scalify(f)(scaled([1.0, 2.0], 0.5), jnp.ones(2))
+        assert isinstance(out_x, js.ScaledArray) and not isinstance(out_y, js.ScaledArray)
+        np.testing.assert_allclose(js.asarray(out_x), [3.0, 6.0])
+
+
+class TestComposition:
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_jit_and_eager(self):
+        f = self.variant(js.scalify(affine))
+        out = f(js.as_scaled_array(jnp.ones((3, 2))), js.as_scaled_array(jnp.ones((4, 3))))
+        assert isinstance(out, js.ScaledArray)
+        np.testing.assert_allclose(js.asarray(out), affine(jnp.ones((3, 2)), jnp.ones((4, 3))))
+
+    def test_pytrees_and_keyword_arguments(self):
+        def f(params, *, x):
+            return {"y": params["w"] * x, "n": params["n"] + 1}
+
+        params = {"w": scaled([2.0], 4.0), "n": jnp.int32(1)}
+        out = js.scalify(f)(params, x=scaled([3.0]))
+        assert float(js.asarray(out["y"])[0]) == 6.0 and int(out["n"]) == 2
+
+    def test_static_python_arguments(self):
+        def f(x, power, name="unused"):
+            return x**power
+
+        out = js.scalify(f)(scaled([3.0], 2.0), 2, name="static")
+        assert float(js.asarray(out)[0]) == 9.0
+        jitted = jax.jit(js.scalify(f), static_argnums=1)
+        assert float(js.asarray(jitted(scaled([3.0], 2.0), 3))[0]) == 27.0
+        partial = jax.jit(js.scalify(functools.partial(f, power=2)))
+        assert float(js.asarray(partial(scaled([3.0], 2.0)))[0]) == 9.0
+
+    @pytest.mark.parametrize("transform", [jax.grad, jax.value_and_grad])
+    def test_scalify_of_grad(self, transform):
+        def loss(w, x):
+            return jnp.sum(affine(w, x) ** 2)
+
+        w, x = jnp.full((3, 2), 0.5), jnp.ones((4, 3))
+        out = jax.jit(js.scalify(transform(loss)))(js.as_scaled_array(w), js.as_scaled_array(x))
+        chex.assert_trees_all_close(js.asarray(out), transform(loss)(w, x), rtol=1e-6)
+
+    def test_vmap_of_scalify_with_shared_scale(self):
+        x = scaled(np.arange(6.0).reshape(2, 3), 2.0)
+        in_axes = jax.tree.unflatten(jax.tree.structure(x), [0, None])
+        f = jax.vmap(js.scalify(lambda v: v * 2.0), in_axes=(in_axes,), out_axes=in_axes)
+        out = f(x)
+        assert out.scale.shape == ()
+        np.testing.assert_allclose(js.asarray(out), np.arange(6.0).reshape(2, 3) * 2)
+
+    def test_vmap_of_scalify_with_per_example_scales(self):
+        x = jax.vmap(js.as_scaled_array)(jnp.array([1.5, 96.0]))  # scalars split per example
+        assert x.scale.shape == (2,)
+        out = jax.vmap(lambda v: js.asarray(js.scalify(lambda a: a * a)(v)))(x)
+        np.testing.assert_allclose(out, [2.25, 9216.0])
+
+    def test_nested_scalify(self):
+        f = js.scalify(js.scalify(affine))
+        out = f(js.as_scaled_array(jnp.ones((3, 2))), js.as_scaled_array(jnp.ones((4, 3))))
+        np.testing.assert_allclose(js.asarray(out), 7.0)
+
+    def test_scalify_inside_jit_inside_scalify(self):
+        inner = jax.jit(js.scalify(lambda x: x * 4.0))
+        out = js.scalify(lambda x: inner(x) + x)(scaled([1.0, 2.0], 2.0**-10))
+        np.testing.assert_allclose(js.asarray(out, jnp.float32), [5.0, 10.0])
+
+
+class TestHigherOrder:
+    def test_nested_jit_is_interpreted_and_keeps_its_name(self):
+        @jax.jit
+        def my_inner_block(x):
+            return x * x
+
+        f = js.scalify(lambda x: my_inner_block(x) + 1.0)
+        x = scaled([2.0**-10, 3 * 2.0**-10], 2.0**-10)
+        jaxpr = jax.make_jaxpr(f)(x)
+        jit_eqns = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
+        assert "my_inner_block" in [e.params["name"] for e in jit_eqns]
+        out = jax.jit(f)(x)
+        np.testing.assert_allclose(js.asarray(out, jnp.float32), [1 + 2.0**-20, 1 + 9 * 2.0**-20])
+
+    def test_nested_jit_keeps_donation(self):
+        inner = jax.jit(lambda x: x * 2.0, donate_argnums=0)
+        jaxpr = jax.make_jaxpr(js.scalify(lambda x: inner(x)))(scaled([1.0]))
+        (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
+        assert all(eqn.params["donated_invars"])  # data and scale
+
+    def test_custom_jvp_functions_run_their_forward(self):
+        x = scaled([-2.0, 0.5, 3.0], 2.0**-20, jnp.float16)
+        out = jax.jit(js.scalify(jax.nn.relu))(x)
+        assert isinstance(out, js.ScaledArray) and float(out.scale) == 2.0**-20
+        np.testing.assert_array_equal(np.asarray(out.data), [0.0, 0.5, 3.0])
+
+    def test_custom_vjp_forward_and_user_backward(self):
+        @jax.custom_vjp
+        def clip_gradient(x):
+            return x
+
+        clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1.0, 1.0),))
+
+        def loss(x):
+            return jnp.sum(clip_gradient(x) * 10.0)
+
+        x = js.as_scaled_array(jnp.array([1.0, 2.0]))
+        value = js.scalify(loss)(x)
+        assert float(js.asarray(value)) == 30.0
+        grads = jax.jit(js.scalify(jax.grad(loss)))(x)
+        np.testing.assert_allclose(js.asarray(grads), [1.0, 1.0])  # the user's backward ran
+
+
+class TestErrors:
+    def test_unsupported_primitive_names_itself_and_the_line(self):
+        def uses_lgamma(x):
+            return lax.lgamma(x)  # MARKER: the line the error must point to
+
+        with pytest.raises(NotImplementedError) as info:
+            js.scalify(uses_lgamma)(scaled([1.0, 2.0]))
+        message = str(info.value)
+        assert "'lgamma'" in message
+        assert "test_interpreter.py" in message
+        line = uses_lgamma.__code__.co_firstlineno + 1
+        assert f":{line}" in message
+
+    def test_per_axis_scales_are_refused_clearly(self):
+        x = js.ScaledArray(jnp.ones((2, 3)), jnp.ones((2, 1)))
+        with pytest.raises(NotImplementedError, match="scalar"):
+            js.scalify(lambda v: v * 2.0)(x)
+
+
+class TestConfig:
+    def test_rounding_modes_change_estimated_scales(self):
+        x = scaled(np.ones(3), 1.0)
+
+        def add(a):
+            return a + a  # scale estimate sqrt(2)
+
+        down = js.scalify(add)(x)
+        with js.ScalifyConfig(rounding="up"):
+            up = js.scalify(add)(x)
+        nearest = js.scalify(add, config=js.ScalifyConfig(rounding="nearest"))(x)
+        assert (float(down.scale), float(up.scale), float(nearest.scale)) == (1.0, 2.0, 2.0)
+        for out in (down, up, nearest):
+            np.testing.assert_array_equal(js.asarray(out), 2 * np.ones(3))
+
+    def test_config_is_validated(self):
+        with pytest.raises(ValueError):
+            js.ScalifyConfig(rounding="sideways")
+        with pytest.raises(ValueError):
+            js.ScalifyConfig(scale_dtype=jnp.float16)
+
+    def test_e8m0_scales_propagate(self):
+        x = js.as_scaled_array(jnp.array([1.0, 2.0]) * 2.0**-30, scale=2.0**-30,
+                               scale_dtype=jnp.float8_e8m0fnu)
+        with js.ScalifyConfig(scale_dtype=jnp.float8_e8m0fnu):
+            out = jax.jit(js.scalify(lambda a: a * a + 1.0))(x)
+        assert out.scale.dtype == jnp.float8_e8m0fnu
+        np.testing.assert_allclose(js.asarray(out, jnp.float32), 1.0 + np.array([1.0, 4.0]) * 2.0**-60)

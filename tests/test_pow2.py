@@ -1,0 +1,96 @@
+"""Power-of-two splits and rounding: exact in every float format, subnormals included."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jax_scaled.pow2 import is_pow2, pow2_round, pow2_split, static_pow2_round
+
+FORMATS = [
+    jnp.float32,
+    jnp.float16,
+    jnp.bfloat16,
+    jnp.float8_e4m3fn,
+    jnp.float8_e5m2,
+    jnp.float8_e4m3fnuz,
+    jnp.float8_e5m2fnuz,
+]
+
+
+def all_finite_values(dtype, count=4096, seed=0):
+    """Every value of an 8-bit format, or a random bit-pattern sample of a wider one."""
+    dtype = jnp.dtype(dtype)
+    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}[dtype.itemsize]
+    if dtype.itemsize == 1:
+        pattern = np.arange(256, dtype=bits)
+    else:
+        pattern = np.random.default_rng(seed).integers(0, np.iinfo(bits).max, count, dtype=bits)
+        info = ml_dtypes.finfo(dtype)
+        extra = np.array([info.smallest_subnormal, info.smallest_normal, info.max], dtype)
+        pattern = np.concatenate([pattern, extra.view(bits), (-extra).view(bits)])
+    values = pattern.view(dtype)
+    with np.errstate(invalid="ignore"):
+        return values[np.isfinite(values.astype(np.float64))]
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("rounding", ["down", "up", "nearest"])
+def test_split_is_exact_for_every_format(dtype, rounding):
+    values = all_finite_values(dtype)
+    mantissa, scale = jax.jit(pow2_split, static_argnums=1)(values, rounding)
+    assert mantissa.dtype == values.dtype and scale.dtype == jnp.float32
+    product = np.asarray(mantissa, np.float64) * np.asarray(scale, np.float64)
+    np.testing.assert_array_equal(product, values.astype(np.float64))
+    assert np.all(is_pow2(np.asarray(scale)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_split_mantissa_ranges(dtype):
+    values = all_finite_values(dtype)
+    magnitude = np.abs(values.astype(np.float64))
+    values = values[(magnitude >= 2.0**-126) & (magnitude < 2.0**127)]  # inside the clamp
+    for rounding, low, high in [("down", 1, 2), ("up", 0.5, 1), ("nearest", 2**-0.5, 2**0.5)]:
+        mantissa, _ = pow2_split(values, rounding)
+        m = np.abs(np.asarray(mantissa, np.float64))
+        m = m[m != 0]
+        inclusive_high = rounding == "up"
+        assert np.all(m >= low * (1 - 2**-23)) and np.all(m <= high if inclusive_high else m < high), rounding
+
+
+def test_special_values():
+    x = jnp.array([0.0, -0.0, jnp.inf, -jnp.inf, jnp.nan], jnp.float32)
+    mantissa, scale = pow2_split(x)
+    np.testing.assert_array_equal(np.asarray(scale), np.ones(5))
+    np.testing.assert_array_equal(np.asarray(mantissa), np.asarray(x))
+
+
+def test_float32_subnormals_split_without_flush():
+    tiny = np.array([1e-45, -3e-39, 2.0**-140], np.float32)
+    mantissa, scale = jax.jit(pow2_split)(tiny)
+    assert np.all(np.asarray(scale) == np.float32(2.0**-126))
+    product = np.asarray(mantissa, np.float64) * np.asarray(scale, np.float64)
+    np.testing.assert_array_equal(product, tiny.astype(np.float64))
+
+
+@given(st.floats(min_value=2.0**-126, max_value=2.0**127, allow_subnormal=False))
+def test_round_matches_static_round(value):
+    for rounding in ["down", "up", "nearest"]:
+        dynamic = float(pow2_round(jnp.float32(value), rounding))
+        assert dynamic == static_pow2_round(float(np.float32(value)), rounding)
+        if rounding == "down":
+            assert dynamic <= np.float32(value) < 2 * dynamic
+
+
+def test_scales_cast_exactly_to_e8m0():
+    scales = pow2_round(jnp.array([2.0**-126, 3e-20, 1.0, 7.0, 2.0**127]))
+    e8m0 = scales.astype(jnp.float8_e8m0fnu)
+    np.testing.assert_array_equal(np.asarray(e8m0.astype(jnp.float32)), np.asarray(scales))
+
+
+def test_split_rejects_integers():
+    with pytest.raises(TypeError):
+        pow2_split(jnp.arange(3))
