@@ -25,9 +25,11 @@ def register_scale_rule(
     ``applies_to_unscaled=True`` for primitives that create scaled values from plain ones.
 
     Example:
-        >>> @register_scale_rule(jax.lax.neg_p)
-        ... def neg_rule(x):
-        ...     return ScaledArray(-x.data, x.scale)
+        >>> from jax.extend.core import Primitive
+        >>> double_p = Primitive("double")  # a user's own primitive
+        >>> @register_scale_rule(double_p)
+        ... def double_rule(x, **params):
+        ...     return ScaledArray(x.data, x.scale * 2)
     """
 
     def register(rule: ScaleRule) -> ScaleRule:

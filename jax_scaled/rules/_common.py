@@ -55,7 +55,7 @@ def round_scale(scale: jax.Array) -> jax.Array:
 
 def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
     """Cast a float32 power-of-two ``scale`` to the scale dtype of the inputs ``like``."""
-    return scale.astype(out_scale_dtype(*like))
+    return jnp.asarray(scale, jnp.float32).astype(out_scale_dtype(*like))
 
 
 def sqrt_pow2(n: int) -> float:
