@@ -118,6 +118,20 @@ class TestHigherOrder:
         (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
         assert all(eqn.params["donated_invars"])  # data and scale
 
+    def test_nested_jit_keeps_shardings(self):
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+        inner = jax.jit(lambda a: a * 2.0, in_shardings=sharding, out_shardings=sharding)
+        f = js.scalify(lambda a: inner(a) * 3.0)
+        x = js.as_scaled_array(jnp.arange(8.0))
+        jaxpr = jax.make_jaxpr(f)(x)
+        (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
+        data_in, scale_in = eqn.params["in_shardings"]
+        assert data_in.spec == sharding.spec and scale_in.spec == jax.sharding.PartitionSpec()
+        data_out, _ = eqn.params["out_shardings"]
+        assert data_out.spec == sharding.spec
+        np.testing.assert_array_equal(js.asarray(jax.jit(f)(x)), np.arange(8.0) * 6)
+
     def test_custom_jvp_functions_run_their_forward(self):
         x = scaled([-2.0, 0.5, 3.0], 2.0**-20, jnp.float16)
         out = jax.jit(js.scalify(jax.nn.relu))(x)
