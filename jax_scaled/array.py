@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_scaled.pow2 import pow2_split
+from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_split
 
 DTypeLike = Any
 
@@ -180,15 +180,23 @@ def _as_scaled_leaf(x: Any, scale, scale_dtype) -> Any:
     elif x.ndim == 0:
         data, scale = pow2_split(x)
     else:
-        data, scale = x, jnp.ones((), jnp.float32)
+        data, scale = x, _default_array_scale(x)
     return ScaledArray(data, scale.astype(scale_dtype or jnp.float32))
+
+
+def _default_array_scale(x: jax.Array) -> jax.Array:
+    """Scale 1, or the smallest scale for an all-zero array (it carries no scale information)."""
+    all_zero = jnp.all(x == 0)
+    return jnp.where(all_zero, jnp.float32(2.0**MIN_SCALE_EXPONENT), jnp.float32(1))
 
 
 def as_scaled_array(tree: Any, scale=None, scale_dtype: DTypeLike | None = None) -> Any:
     """Turn every floating leaf of ``tree`` into a ScaledArray (value unchanged).
 
-    Arrays get ``scale`` (default 1, so ``data`` is the array itself); floating scalars are
-    split into a mantissa and an exact power-of-two scale. Integer and boolean leaves and
+    Arrays get ``scale`` (default 1, so ``data`` is the array itself; an all-zero array, such
+    as a freshly initialised bias or optimizer moment, gets the smallest scale ``2^-126`` so
+    that it never dominates a scale estimate); floating scalars are split into a mantissa and
+    an exact power-of-two scale. Integer and boolean leaves and
     non-array values are returned unchanged; ScaledArray leaves are kept (their scale cast
     to ``scale_dtype`` if given). ``scale_dtype`` defaults to float32; pass
     ``jnp.float8_e8m0fnu`` for E8M0 scales.

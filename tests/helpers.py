@@ -86,11 +86,14 @@ def reference64(fn: Callable, *inputs: Any) -> Any:
         return jax.tree.map(np.asarray, out)
 
 
-def _to64(x: Any) -> Any:
-    value = value64(x)
-    if isinstance(value, np.ndarray) and value.dtype == np.float64:
-        return jnp.asarray(value, jnp.float64)
-    return jnp.asarray(x)
+def _to64(tree: Any) -> Any:
+    def convert(x):
+        value = value64(x)
+        if isinstance(value, np.ndarray) and value.dtype == np.float64:
+            return jnp.asarray(value, jnp.float64)
+        return jnp.asarray(x)
+
+    return js.tree.tree_map(convert, tree)
 
 
 def assert_pow2_scales(tree: Any) -> None:

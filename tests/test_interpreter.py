@@ -133,7 +133,7 @@ class TestHigherOrder:
         np.testing.assert_array_equal(js.asarray(jax.jit(f)(x)), np.arange(8.0) * 6)
 
     def test_custom_jvp_functions_run_their_forward(self):
-        x = scaled([-2.0, 0.5, 3.0], 2.0**-20, jnp.float16)
+        x = js.scaled_array([-2.0, 0.5, 3.0], 2.0**-20, dtype=jnp.float16)
         out = jax.jit(js.scalify(jax.nn.relu))(x)
         assert isinstance(out, js.ScaledArray) and float(out.scale) == 2.0**-20
         np.testing.assert_array_equal(np.asarray(out.data), [0.0, 0.5, 3.0])

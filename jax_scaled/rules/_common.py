@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
@@ -33,7 +34,7 @@ def compute_dtype(dtype) -> jnp.dtype:
 def scale_f32(x: Value) -> jax.Array:
     """The scale of ``x`` as a float32 0-d array (1 for a plain array)."""
     if isinstance(x, ScaledArray):
-        return x.scale.astype(jnp.float32)
+        return x.scale if x.scale.dtype == jnp.float32 else x.scale.astype(jnp.float32)
     return jnp.ones((), jnp.float32)
 
 
@@ -78,7 +79,10 @@ def rescale(data: jax.Array, ratio: jax.Array) -> jax.Array:
 
 def safe_ratio(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """``numerator / denominator`` for scales, with 0/0 (two zero scales) giving 1."""
-    return jnp.where(denominator == 0, jnp.float32(1), numerator / denominator)
+    if numerator is denominator:
+        return jnp.ones((), jnp.float32)
+    one = jnp.ones((), jnp.float32)
+    return lax.select(denominator == 0, one, numerator / denominator)
 
 
 def align(*xs: Value, scale: jax.Array | None = None) -> tuple[list[jax.Array], jax.Array]:
@@ -89,15 +93,19 @@ def align(*xs: Value, scale: jax.Array | None = None) -> tuple[list[jax.Array], 
     scales = [scale_f32(x) for x in xs]
     if scale is None:
         scale = max_scale(scales)
-    datas = [rescale(as_scaled(x).data, safe_ratio(s, scale)) for x, s in zip(xs, scales)]
+    datas = [
+        as_scaled(x).data if s is scale else rescale(as_scaled(x).data, safe_ratio(s, scale))
+        for x, s in zip(xs, scales)
+    ]
     return datas, scale
 
 
 def max_scale(scales: list[jax.Array]) -> jax.Array:
-    """Elementwise maximum of a list of 0-d scales."""
+    """Elementwise maximum of a list of 0-d scales (the same object when all are the same)."""
     out = scales[0]
     for s in scales[1:]:
-        out = jnp.maximum(out, s)
+        if s is not out:
+            out = lax.max(out, s)
     return out
 
 
