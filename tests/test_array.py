@@ -103,3 +103,14 @@ def test_tree_helpers_stop_at_scaled_arrays():
     cast = js.tree.astype(tree, jnp.float16)
     assert cast["a"].dtype == jnp.float16 and float(cast["a"].scale) == 2.0
     assert js.is_scaled_leaf(tree["a"]) and not js.is_scaled_leaf(tree)
+
+
+def test_all_zero_arrays_get_the_smallest_scale():
+    bias = js.as_scaled_array(jnp.zeros(4, jnp.float16))
+    assert float(bias.scale) == 2.0**-126
+    np.testing.assert_array_equal(js.asarray(bias), np.zeros(4))
+    tiny = js.scaled_array(jnp.ones(4, jnp.float16), 2.0**-20)
+    out = js.scalify(lambda x, b: x + b)(tiny, bias)  # the zero bias does not set the scale
+    assert float(out.scale) == 2.0**-20
+    e8m0 = js.as_scaled_array(jnp.zeros(2), scale_dtype=jnp.float8_e8m0fnu)
+    assert float(e8m0.scale.astype(jnp.float32)) == 2.0**-126
