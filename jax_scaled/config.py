@@ -41,9 +41,7 @@ class ScalifyConfig:
         if self.scale_dtype is not None:
             dtype = jnp.dtype(self.scale_dtype)
             if dtype not in _SCALE_DTYPES:
-                raise ValueError(
-                    f"scale_dtype must be float32 or float8_e8m0fnu, got {dtype}."
-                )
+                raise ValueError(f"scale_dtype must be float32 or float8_e8m0fnu, got {dtype}.")
             object.__setattr__(self, "scale_dtype", dtype)
 
     def __enter__(self) -> ScalifyConfig:

@@ -13,7 +13,8 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -105,12 +106,12 @@ def _check_scalar_scale(x: ScaledArray) -> None:
 def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
     leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=lambda x: isinstance(x, ScaledArray))
     is_dynamic = [_is_dynamic_leaf(x) for x in leaves]
-    dynamic = [x for x, d in zip(leaves, is_dynamic) if d]
+    dynamic = [x for x, d in zip(leaves, is_dynamic, strict=False) if d]
     out_tree_box: list = []
 
     def flat_fn(*dynamic_values):
         values = iter(dynamic_values)
-        merged = [next(values) if d else x for x, d in zip(leaves, is_dynamic)]
+        merged = [next(values) if d else x for x, d in zip(leaves, is_dynamic, strict=False)]
         call_args, call_kwargs = jax.tree.unflatten(in_tree, merged)
         out_leaves, out_tree = jax.tree.flatten(fn(*call_args, **call_kwargs))
         out_tree_box.append(out_tree)
@@ -121,7 +122,9 @@ def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
     return jax.tree.unflatten(out_tree_box[0], [s.value for s in out_slots])
 
 
-def interpret_jaxpr(jaxpr: jxi.Jaxpr, consts: Sequence[Any], in_slots: Sequence[Slot]) -> list[Slot]:
+def interpret_jaxpr(
+    jaxpr: jxi.Jaxpr, consts: Sequence[Any], in_slots: Sequence[Slot]
+) -> list[Slot]:
     """Run ``jaxpr`` on slots, applying scale rules; returns the output slots."""
     env: dict[jxi.Var, Slot] = {}
 
@@ -130,7 +133,7 @@ def interpret_jaxpr(jaxpr: jxi.Jaxpr, consts: Sequence[Any], in_slots: Sequence[
             return _constant_slot(atom.val)
         return env[atom]
 
-    for var, const in zip(jaxpr.constvars, consts):
+    for var, const in zip(jaxpr.constvars, consts, strict=False):
         env[var] = _constant_slot(const)
     for var, slot in zip(jaxpr.invars, in_slots, strict=True):
         env[var] = slot
@@ -253,7 +256,9 @@ HigherOrderRule = Callable[[jxi.JaxprEqn, list], list]
 _HIGHER_ORDER_RULES: dict[jxi.Primitive, HigherOrderRule] = {}
 
 
-def register_higher_order_rule(primitive: jxi.Primitive) -> Callable[[HigherOrderRule], HigherOrderRule]:
+def register_higher_order_rule(
+    primitive: jxi.Primitive,
+) -> Callable[[HigherOrderRule], HigherOrderRule]:
     """Register a handler ``(eqn, in_slots) -> out_slots`` for a primitive with sub-jaxprs."""
 
     def register(rule: HigherOrderRule) -> HigherOrderRule:
@@ -295,7 +300,7 @@ def _jit_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     def body(*values):
         slots = [
             _constant_slot(v) if c is None else Slot(v, constant=c, base=None)
-            for v, c in zip(values, constants)
+            for v, c in zip(values, constants, strict=False)
         ]
         return [s.value for s in _interpret_closed(params["jaxpr"], slots)]
 

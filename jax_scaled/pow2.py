@@ -120,7 +120,9 @@ def _exact_divide_by_pow2(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
     # mantissa so that no float operation ever sees the subnormal (flushed to zero on CPU).
     sign = jnp.where((bits >> 31) == 1, jnp.float32(-1), jnp.float32(1))
     integer_mantissa = (bits & ((1 << _MANTISSA_BITS) - 1)).astype(jnp.float32)
-    from_subnormal = sign * integer_mantissa * jnp.float32(2.0**-23) * (jnp.float32(2.0**-126) / scale)
+    from_subnormal = (
+        sign * integer_mantissa * jnp.float32(2.0**-23) * (jnp.float32(2.0**-126) / scale)
+    )
     return jnp.where(is_subnormal, from_subnormal, x / scale)
 
 

@@ -116,9 +116,7 @@ rebalance_p.def_impl(_set_scaling_impl)
 
 set_scaling_p.def_abstract_eval(lambda x, scale: x)
 rebalance_p.def_abstract_eval(lambda x, factor: x)
-get_data_and_scale_p.def_abstract_eval(
-    lambda x: (x, jax.core.ShapedArray((), jnp.float32))
-)
+get_data_and_scale_p.def_abstract_eval(lambda x: (x, jax.core.ShapedArray((), jnp.float32)))
 stop_scaling_p.def_abstract_eval(lambda x, *, dtype: jax.core.ShapedArray(x.shape, dtype))
 
 jxi.mlir.register_lowering(set_scaling_p, jxi.mlir.lower_fun(_set_scaling_impl, False))
@@ -148,7 +146,10 @@ def _rebalance_jvp(primals, tangents):
 def _get_data_and_scale_jvp(primals, tangents):
     (x,), (tangent,) = primals, tangents
     data, scale = get_data_and_scale_p.bind(x)
-    return (data, scale), (tangent, jxi.ad.Zero(jax.core.ShapedArray((), jnp.float32).to_tangent_aval()))
+    return (data, scale), (
+        tangent,
+        jxi.ad.Zero(jax.core.ShapedArray((), jnp.float32).to_tangent_aval()),
+    )
 
 
 def _stop_scaling_jvp(primals, tangents, *, dtype):
@@ -238,5 +239,3 @@ def _rebalance_rule(x, factor):
     factor = (factor.to_array() if isinstance(factor, ScaledArray) else factor).astype(jnp.float32)
     data = rescale(x.data, 1 / factor)
     return ScaledArray(data, make_scale(scale_f32(x) * factor, x))
-
-

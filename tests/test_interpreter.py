@@ -196,9 +196,12 @@ class TestConfig:
             js.ScalifyConfig(scale_dtype=jnp.float16)
 
     def test_e8m0_scales_propagate(self):
-        x = js.as_scaled_array(jnp.array([1.0, 2.0]) * 2.0**-30, scale=2.0**-30,
-                               scale_dtype=jnp.float8_e8m0fnu)
+        x = js.as_scaled_array(
+            jnp.array([1.0, 2.0]) * 2.0**-30, scale=2.0**-30, scale_dtype=jnp.float8_e8m0fnu
+        )
         with js.ScalifyConfig(scale_dtype=jnp.float8_e8m0fnu):
             out = jax.jit(js.scalify(lambda a: a * a + 1.0))(x)
         assert out.scale.dtype == jnp.float8_e8m0fnu
-        np.testing.assert_allclose(js.asarray(out, jnp.float32), 1.0 + np.array([1.0, 4.0]) * 2.0**-60)
+        np.testing.assert_allclose(
+            js.asarray(out, jnp.float32), 1.0 + np.array([1.0, 4.0]) * 2.0**-60
+        )

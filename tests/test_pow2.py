@@ -57,8 +57,8 @@ def test_split_mantissa_ranges(dtype):
         mantissa, _ = pow2_split(values, rounding)
         m = np.abs(np.asarray(mantissa, np.float64))
         m = m[m != 0]
-        inclusive_high = rounding == "up"
-        assert np.all(m >= low * (1 - 2**-23)) and np.all(m <= high if inclusive_high else m < high), rounding
+        below_high = m <= high if rounding == "up" else m < high
+        assert np.all(m >= low * (1 - 2**-23)) and np.all(below_high), rounding
 
 
 def test_special_values():

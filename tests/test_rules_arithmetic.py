@@ -32,8 +32,9 @@ def test_dot_general_batched(dtype, data):
     b, m, k, n = (data.draw(st.integers(1, 6)) for _ in range(4))
     x = data.draw(scaled_arrays((b, m, k), dtype))
     y = data.draw(scaled_arrays((b, n, k), dtype))
-    out = check_scaled(lambda x, y: jnp.einsum("bmk,bnk->bmn", x, y), [x, y], dtype,
-                       ulps=2 * k + 4, normwise=True)
+    out = check_scaled(
+        lambda x, y: jnp.einsum("bmk,bnk->bmn", x, y), [x, y], dtype, ulps=2 * k + 4, normwise=True
+    )
     assert out.dtype == dtype
 
 
