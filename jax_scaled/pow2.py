@@ -25,7 +25,7 @@ _EXPONENT_BIAS = 127
 _SQRT2_MANTISSA_BITS = 0x3504F3  # mantissa bits of sqrt(2) in float32
 
 
-class Rounding(str, enum.Enum):
+class Rounding(enum.StrEnum):
     """How a positive value is rounded to a power of two.
 
     ``DOWN`` (the default, as the scalify paper recommends), ``UP``, or ``NEAREST`` (in log2).

@@ -1,17 +1,29 @@
-"""Scale rules for elementwise arithmetic primitives."""
+"""Scale rules for elementwise primitives: arithmetic, selections, powers, predicates, casts."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
 from jax import lax
 
+from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
+from jax_scaled.pow2 import pow2_exponent
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import (
+    Value,
+    align,
     as_scaled,
+    compute_dtype,
+    from_compute,
     l2_scale,
     make_scale,
+    max_scale,
     round_scale,
     scale_f32,
+    to_compute,
     wide_data,
 )
 
@@ -36,15 +48,262 @@ def sub_rule(x, y, **params):
 @register_scale_rule(lax.mul_p)
 def mul_rule(x, y, **params):
     x, y = as_scaled(x), as_scaled(y)
-    return ScaledArray(lax.mul_p.bind(x.data, y.data, **params), make_scale(scale_f32(x) * scale_f32(y), x, y))
+    return ScaledArray(
+        lax.mul_p.bind(x.data, y.data, **params), make_scale(scale_f32(x) * scale_f32(y), x, y)
+    )
 
 
 @register_scale_rule(lax.div_p)
 def div_rule(x, y, **params):
     x, y = as_scaled(x), as_scaled(y)
-    return ScaledArray(lax.div_p.bind(x.data, y.data, **params), make_scale(scale_f32(x) / scale_f32(y), x, y))
+    return ScaledArray(
+        lax.div_p.bind(x.data, y.data, **params), make_scale(scale_f32(x) / scale_f32(y), x, y)
+    )
 
 
 @register_scale_rule(lax.neg_p)
 def neg_rule(x, **params):
     return ScaledArray(-x.data, x.scale)
+
+
+# ---------------------------------------------------------------------------------------
+# Sign, magnitude and data-only primitives: the scale is kept
+# ---------------------------------------------------------------------------------------
+
+
+def _on_data(x: ScaledArray, primitive, **params) -> ScaledArray:
+    return ScaledArray(primitive.bind(x.data, **params), make_scale(scale_f32(x), x))
+
+
+@register_scale_rule(lax.abs_p)
+def abs_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Input scale: |d| * s."""
+    return _on_data(x, lax.abs_p, **params)
+
+
+@register_scale_rule(lax.sign_p)
+def sign_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Scale 1: sign(d * s) == sign(d) for a positive scale."""
+    return ScaledArray(lax.sign(x.data), make_scale(jnp.ones((), jnp.float32), x))
+
+
+@register_scale_rule(lax.reduce_precision_p)
+def reduce_precision_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Input scale; applied to the data (the emulated format's exponent range is the data's)."""
+    return _on_data(x, lax.reduce_precision_p, **params)
+
+
+@register_scale_rule(lax.copy_p)
+def copy_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Input scale; data and scale copied."""
+    return ScaledArray(lax.copy_p.bind(x.data, **params), lax.copy_p.bind(x.scale, **params))
+
+
+@register_scale_rule(lax_primitives.stop_gradient_p)
+def stop_gradient_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Input scale; no gradient flows through the data nor the scale."""
+    stop = lax_primitives.stop_gradient_p
+    return ScaledArray(stop.bind(x.data, **params), stop.bind(x.scale, **params))
+
+
+# ---------------------------------------------------------------------------------------
+# Selections: max, min, select_n, clamp, nextafter
+# ---------------------------------------------------------------------------------------
+
+
+def _aligned(primitive, *xs: Value, **params) -> ScaledArray:
+    """Apply ``primitive`` to the data of ``xs`` aligned to their largest scale."""
+    datas, scale = align(*xs)
+    return ScaledArray(primitive.bind(*datas, **params), make_scale(scale, *xs))
+
+
+@register_scale_rule(lax.max_p)
+def max_rule(x: Value, y: Value, **params) -> ScaledArray:
+    """max(sx, sy): both aligned to it (rounding is monotone, so max commutes with it)."""
+    return _aligned(lax.max_p, x, y, **params)
+
+
+@register_scale_rule(lax.min_p)
+def min_rule(x: Value, y: Value, **params) -> ScaledArray:
+    """max(sx, sy): both aligned to it (rounding is monotone, so min commutes with it)."""
+    return _aligned(lax.min_p, x, y, **params)
+
+
+@register_scale_rule(lax.select_n_p)
+def select_n_rule(which: jax.Array, *cases: Value, **params) -> ScaledArray:
+    """Largest case scale: every case aligned to it, then selected."""
+    datas, scale = align(*cases)
+    return ScaledArray(lax.select_n_p.bind(which, *datas, **params), make_scale(scale, *cases))
+
+
+@register_scale_rule(lax.clamp_p)
+def clamp_rule(lo: Value, x: Value, hi: Value, **params) -> ScaledArray:
+    """Scale of x: the bounds are brought to it in float32, clamped, rounded once."""
+    scale = scale_f32(x)
+    bounded = lax.clamp_p.bind(
+        wide_data(lo, scale), wide_data(x, scale), wide_data(hi, scale), **params
+    )
+    return ScaledArray(bounded.astype(x.dtype), make_scale(scale, x, lo, hi))
+
+
+@register_scale_rule(lax.nextafter_p)
+def nextafter_rule(x: Value, y: Value, **params) -> ScaledArray:
+    """Scale of x: the next value of the data format *at x's scale*, towards y (aligned to it).
+
+    When y rounds to x at that scale, x is returned unchanged.
+    """
+    (dx, dy), scale = align(x, y, scale=scale_f32(x))
+    return ScaledArray(lax.nextafter_p.bind(dx, dy, **params), make_scale(scale, x, y))
+
+
+@register_scale_rule(lax_primitives.add_jaxvals_p)
+def add_any_rule(x: Value, y: Value, **params) -> ScaledArray:
+    """Like add: sqrt(sx^2 + sy^2), pow2-rounded (gradient accumulation)."""
+    return _add_or_sub(x, y, lax.add)
+
+
+# ---------------------------------------------------------------------------------------
+# Powers and roots: exact structural splits of the power-of-two scale
+# ---------------------------------------------------------------------------------------
+
+
+def _wide(x: ScaledArray) -> jax.Array:
+    return x.data.astype(compute_dtype(x.dtype))
+
+
+def _exp2(exponent: jax.Array) -> jax.Array:
+    """``2**exponent`` (int32, clipped to [-126, 127]) as an exact float32, built from bits."""
+    biased = (jnp.clip(exponent, -126, 127) + 127).astype(jnp.uint32)
+    return lax.bitcast_convert_type(biased << 23, jnp.float32)
+
+
+def _root_split(x: ScaledArray, n: int) -> tuple[jax.Array, jax.Array]:
+    """``(d * 2^r, k)`` in the compute dtype with ``s = 2^(n*k + r)``, ``0 <= r < n``."""
+    exponent = pow2_exponent(scale_f32(x))
+    k = jnp.floor_divide(exponent, n)
+    return _wide(x) * _exp2(exponent - n * k).astype(compute_dtype(x.dtype)), k
+
+
+@register_scale_rule(lax.integer_pow_p)
+def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
+    """Exact: scale s^y, data d^y (in float32, rounded once)."""
+    data = lax.integer_pow(_wide(x), y).astype(x.dtype)
+    return ScaledArray(data, make_scale(lax.integer_pow(scale_f32(x), y), x))
+
+
+@register_scale_rule(lax.square_p)
+def square_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Exact: scale s^2, data d^2 (in float32, rounded once)."""
+    return integer_pow_rule(x, y=2)
+
+
+@register_scale_rule(lax.sqrt_p)
+def sqrt_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Exact: s = 2^(2k+r) gives scale 2^k, data sqrt(d * 2^r)."""
+    data, k = _root_split(x, 2)
+    return ScaledArray(lax.sqrt(data).astype(x.dtype), make_scale(_exp2(k), x))
+
+
+@register_scale_rule(lax.rsqrt_p)
+def rsqrt_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Exact: s = 2^(2k+r) gives scale 2^-k, data rsqrt(d * 2^r)."""
+    data, k = _root_split(x, 2)
+    return ScaledArray(lax.rsqrt(data).astype(x.dtype), make_scale(_exp2(-k), x))
+
+
+@register_scale_rule(lax.cbrt_p)
+def cbrt_rule(x: ScaledArray, **params) -> ScaledArray:
+    """Exact: s = 2^(3k+r) gives scale 2^k, data cbrt(d * 2^r)."""
+    data, k = _root_split(x, 3)
+    return ScaledArray(lax.cbrt(data).astype(x.dtype), make_scale(_exp2(k), x))
+
+
+# ---------------------------------------------------------------------------------------
+# Rounding to integers and remainders: computed on the value in float32
+# ---------------------------------------------------------------------------------------
+
+
+def _integral(x: ScaledArray, primitive, **params) -> ScaledArray:
+    """Scale max(s, 1): integers need no finer scale than 1."""
+    value = primitive.bind(to_compute(x), **params)
+    return from_compute(value, jnp.maximum(scale_f32(x), 1), x.dtype, x)
+
+
+@register_scale_rule(lax.floor_p)
+def floor_rule(x: ScaledArray, **params) -> ScaledArray:
+    """max(s, 1); floor of the value in float32 (exact)."""
+    return _integral(x, lax.floor_p, **params)
+
+
+@register_scale_rule(lax.ceil_p)
+def ceil_rule(x: ScaledArray, **params) -> ScaledArray:
+    """max(s, 1); ceil of the value in float32 (exact)."""
+    return _integral(x, lax.ceil_p, **params)
+
+
+@register_scale_rule(lax.round_p)
+def round_rule(x: ScaledArray, **params) -> ScaledArray:
+    """max(s, 1); round of the value in float32 (exact)."""
+    return _integral(x, lax.round_p, **params)
+
+
+@register_scale_rule(lax.rem_p)
+def rem_rule(x: Value, y: Value, **params) -> ScaledArray:
+    """Scale of y (|rem(x, y)| < |y|); fmod of the values in float32 (exact), rounded once."""
+    value = lax.rem_p.bind(to_compute(x), to_compute(y), **params)
+    return from_compute(value, scale_f32(y), x.dtype, x, y)
+
+
+# ---------------------------------------------------------------------------------------
+# Predicates: exact comparisons of the values, plain boolean results
+# ---------------------------------------------------------------------------------------
+
+
+def _compare(primitive, x: Value, y: Value, **params) -> jax.Array:
+    scale = max_scale([scale_f32(x), scale_f32(y)])
+    return primitive.bind(wide_data(x, scale), wide_data(y, scale), **params)
+
+
+def _register_comparison(primitive) -> None:
+    def rule(x: Value, y: Value, **params) -> jax.Array:
+        return _compare(primitive, x, y, **params)
+
+    rule.__name__ = f"{primitive.name}_rule"
+    rule.__doc__ = f"Plain bool: ``{primitive.name}`` of the values aligned in float32 (exact)."
+    register_scale_rule(primitive)(rule)
+
+
+for _comparison in (lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p):
+    _register_comparison(_comparison)
+
+
+@register_scale_rule(lax.is_finite_p)
+def is_finite_rule(x: ScaledArray, **params) -> jax.Array:
+    """Plain bool: finite data and finite scale."""
+    return lax.is_finite_p.bind(x.data, **params) & lax.is_finite(scale_f32(x))
+
+
+# ---------------------------------------------------------------------------------------
+# Type conversions
+# ---------------------------------------------------------------------------------------
+
+
+@register_scale_rule(lax.convert_element_type_p)
+def convert_element_type_rule(x: ScaledArray, *, new_dtype, **params) -> Value:
+    """Float to float: data cast, scale kept. Else the value (float32) converted, plain.
+
+    A narrowing float cast does not rescale: the data must fit the new format at its scale.
+    """
+    bind = functools.partial(lax.convert_element_type_p.bind, new_dtype=new_dtype, **params)
+    if jnp.issubdtype(new_dtype, jnp.floating):
+        return ScaledArray(bind(x.data), make_scale(scale_f32(x), x))
+    return bind(to_compute(x))
+
+
+@register_scale_rule(lax.bitcast_convert_type_p)
+def bitcast_convert_type_rule(x: ScaledArray, **params) -> jax.Array:
+    """Plain: the bits of the *value* ``x.to_array()`` in the data dtype (scale applied first).
+
+    The value can overflow or underflow the data dtype; bitcasts are not scale-aware.
+    """
+    return lax.bitcast_convert_type_p.bind(x.to_array(), **params)

@@ -8,12 +8,13 @@ overflows; the smaller operands round once into the data format.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
 from jax_scaled._jax_internals import Primitive, split_p
 from jax_scaled.array import ScaledArray
 from jax_scaled.registry import register_scale_rule
-from jax_scaled.rules._common import Value, align, make_scale
+from jax_scaled.rules._common import Value, align, as_scaled, make_scale, scale_f32
 
 
 def _register_data_movement(primitive: Primitive) -> None:
@@ -55,11 +56,14 @@ if split_p is not None:
 
 @register_scale_rule(lax.pad_p)
 def pad_rule(x: Value, padding_value: Value, **params) -> ScaledArray:
-    """Pad at max(operand, padding value) scale: the operand's for a zero or non-finite pad.
+    """Pad at the operand's scale, raised to the padding value's if that is larger.
 
-    The interpreter gives a zero/inf/nan padding value the operand's scale, so the common case
-    is bit exact; a larger non-zero padding value raises the scale instead of overflowing.
+    A zero, infinite or NaN padding value is the same at any scale, so it never raises the
+    scale (checked on its data too: a zero that went through ``convert_element_type`` reaches
+    the rule as a plain scalar of scale 1). Padding is then bit exact.
     """
-    (data, value), scale = align(x, padding_value)
-    return ScaledArray(lax.pad_p.bind(data, value, **params), make_scale(scale, x, padding_value))
-
+    value = as_scaled(padding_value)
+    special = (value.data == 0) | ~jnp.isfinite(value.data)
+    common = jnp.where(special, scale_f32(x), jnp.maximum(scale_f32(x), scale_f32(value)))
+    (data, fill), scale = align(x, value, scale=common)
+    return ScaledArray(lax.pad_p.bind(data, fill, **params), make_scale(scale, x, padding_value))
