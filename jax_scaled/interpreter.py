@@ -196,9 +196,24 @@ def _forward(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     with jxi.eqn_user_context(eqn):
         outs = eqn.primitive.bind(*subfuns, *[s.value for s in in_slots], **params)
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
-    if eqn.primitive.name in _FACT_PRESERVING and in_slots[0].base is not None:
-        return [Slot(outs[0], constant=in_slots[0].constant, base=in_slots[0].base)]
+    source = in_slots[0] if in_slots else None
+    if source is not None and (source.base is not None or source.constant is not None):
+        if eqn.primitive.name in _FACT_PRESERVING:
+            return [Slot(outs[0], constant=source.constant, base=source.base)]
+        if eqn.primitive.name == "convert_element_type":
+            return [_converted_fact(source, outs[0])]
     return [_plain_slot(v) for v in outs]
+
+
+def _converted_fact(source: Slot, out: Any) -> Slot:
+    """Facts of a broadcast scalar after a cast (kept only for float-to-float casts)."""
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        return _plain_slot(out)
+    constant = None
+    if source.constant is not None:
+        constant = float(np.asarray(source.constant, np.float64).astype(out.dtype))
+    base = None if source.base is None else jnp.asarray(source.base).astype(out.dtype)
+    return Slot(out, constant=constant, base=base)
 
 
 def _plain_slot(value: Any) -> Slot:
@@ -233,7 +248,8 @@ def _promote_inputs(in_slots: list[Slot]) -> list[Value]:
 
 def _promote(slot: Slot, reference_scale: jax.Array) -> Value:
     value = slot.value
-    if slot.is_scaled or slot.base is None or not jnp.issubdtype(value.dtype, jnp.floating):
+    no_facts = slot.base is None and slot.constant is None
+    if slot.is_scaled or no_facts or not jnp.issubdtype(value.dtype, jnp.floating):
         return value
     scale_dtype = current_config().scale_dtype or reference_scale.dtype
     if slot.constant is not None and (slot.constant == 0 or not math.isfinite(slot.constant)):

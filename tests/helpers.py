@@ -89,8 +89,8 @@ def reference64(fn: Callable, *inputs: Any) -> Any:
 
 def _to64(tree: Any) -> Any:
     def convert(x):
-        value = value64(x)
-        if isinstance(value, np.ndarray) and value.dtype == np.float64:
+        value = np.asarray(value64(x))
+        if value.dtype == np.float64:
             return jnp.asarray(value, jnp.float64)
         return jnp.asarray(x)
 
