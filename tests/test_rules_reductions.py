@@ -1,0 +1,251 @@
+"""Scale rules for reductions, cumulative ops, sort, top_k and reduce_window against float64."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import FLOAT_DTYPES, check_e8m0_matches, check_scaled, scaled_arrays, shapes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import jax_scaled as js
+
+# Every example compiles two programs: run a third of the profile's examples per test.
+few = settings(max_examples=max(3, settings.default.max_examples // 3))
+
+
+def _axes(data, shape) -> tuple[int, ...]:
+    """A random non-empty subset of the axes of ``shape``."""
+    axes = data.draw(st.lists(st.integers(0, len(shape) - 1), min_size=1, unique=True))
+    return tuple(sorted(axes))
+
+
+def _sum_ulps(n: int) -> float:
+    """Tolerance of an n-term sum accumulated in the data dtype (normwise)."""
+    return 2 * n + 4
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_reduce_sum(dtype, data):
+    shape = data.draw(shapes(max_side=8))
+    axes = _axes(data, shape)
+    x = data.draw(scaled_arrays(shape, dtype))
+    n = math.prod(shape[a] for a in axes)
+    out = check_scaled(lambda x: jnp.sum(x, axes, dtype=x.dtype), [x], dtype,
+                       ulps=_sum_ulps(n), normwise=True)
+    assert out.dtype == dtype
+    sqrt_n = 2.0 ** math.floor(math.log2(math.sqrt(n)))  # default rounding: down
+    assert float(out.scale) == float(x.scale) * sqrt_n
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_reduce_max_min(dtype, data):
+    op = data.draw(st.sampled_from([jnp.max, jnp.min]))
+    shape = data.draw(shapes())
+    axes = _axes(data, shape)
+    x = data.draw(scaled_arrays(shape, dtype))
+    out = check_scaled(lambda x: op(x, axes), [x], dtype, ulps=0)
+    assert float(out.scale) == float(x.scale)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_reduce_prod(dtype, data):
+    shape = data.draw(shapes(max_side=4))
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    # |data| in [0.5, 2], N <= 4 and |log2 s| <= 30: the value stays inside float32's range.
+    x = data.draw(scaled_arrays(shape, dtype, min_exp=-30, max_exp=30, low=0.5, high=2.0))
+    out = check_scaled(lambda x: jnp.prod(x, axis, dtype=x.dtype), [x], dtype, ulps=1)
+    assert float(out.scale) == float(x.scale) ** shape[axis]
+
+
+def test_reduce_prod_scale_beyond_float32_range_is_folded_into_data():
+    x = js.ScaledArray(jnp.full((4,), 1.5, jnp.float32), jnp.float32(2.0**40))
+    out = jax.jit(js.scalify(lambda x: jnp.prod(x)))(x)
+    assert float(out.scale) == 2.0**127
+    np.testing.assert_allclose(float(out.data) * 2.0**127, 1.5**4 * 2.0**160)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_argmax_argmin(dtype, data):
+    op = data.draw(st.sampled_from([jnp.argmax, jnp.argmin]))
+    shape = data.draw(shapes())
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    x = data.draw(scaled_arrays(shape, dtype))
+    out = check_scaled(lambda x: op(x, axis), [x], dtype)
+    assert not isinstance(out, js.ScaledArray) and out.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_cumsum(dtype, data):
+    shape = data.draw(shapes(max_side=8))
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    reverse = data.draw(st.booleans())
+    x = data.draw(scaled_arrays(shape, dtype))
+    fn = lambda x: lax.cumsum(x, axis, reverse=reverse)  # noqa: E731
+    check_scaled(fn, [x], dtype, ulps=_sum_ulps(shape[axis]), normwise=True)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_cumprod_small_axis_is_exact(dtype, data):
+    shape = data.draw(shapes(max_side=5))
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    reverse = data.draw(st.booleans())
+    # Prefix values span s^1..s^N around the output scale s^ceil(N/2): keep them in range.
+    x = data.draw(scaled_arrays(shape, dtype, min_exp=-4, max_exp=4, low=0.5, high=2.0))
+    out = check_scaled(lambda x: lax.cumprod(x, axis, reverse=reverse), [x], dtype, ulps=1)
+    assert float(out.scale) == float(x.scale) ** ((shape[axis] + 1) // 2)
+
+
+def test_cumprod_float32_wide_scales():
+    x = js.ScaledArray(jnp.asarray([1.5, -0.75, 1.25, 1.0, 0.5], jnp.float32), jnp.float32(2.0**20))
+    check_scaled(lambda x: jnp.cumprod(x), [x], jnp.float32, ulps=1)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_cummax_cummin(dtype, data):
+    op = data.draw(st.sampled_from([lax.cummax, lax.cummin]))
+    shape = data.draw(shapes())
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    reverse = data.draw(st.booleans())
+    x = data.draw(scaled_arrays(shape, dtype))
+    check_scaled(lambda x: op(x, axis, reverse=reverse), [x], dtype, ulps=0)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_cumlogsumexp(dtype, data):
+    shape = data.draw(shapes(max_side=6))
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    reverse = data.draw(st.booleans())
+    x = data.draw(scaled_arrays(shape, dtype))
+    out = check_scaled(lambda x: lax.cumlogsumexp(x, axis, reverse=reverse), [x], dtype,
+                       ulps=4, normwise=True)
+    if shape[axis] > 1:
+        assert float(out.scale) == max(float(x.scale), 1.0)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_sort_single_operand(dtype, data):
+    shape = data.draw(shapes())
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    x = data.draw(scaled_arrays(shape, dtype))
+    out = check_scaled(lambda x: jnp.sort(x, axis), [x], dtype, ulps=0)
+    assert float(out.scale) == float(x.scale)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_sort_multi_operand(dtype, data):
+    num_keys = data.draw(st.integers(1, 2))
+    shape = data.draw(shapes())
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    # Few distinct key values, so that ties exercise the second key and stability.
+    keys = data.draw(scaled_arrays(shape, dtype, low=-2.0, high=2.0)).data.round()
+    x = js.ScaledArray(keys, data.draw(scaled_arrays(shape, dtype)).scale)
+    y = data.draw(scaled_arrays(shape, dtype))
+    z = data.draw(scaled_arrays(shape, dtype))
+    iota = lax.broadcasted_iota(jnp.int32, shape, dim)
+
+    def fn(x, y, z, i):
+        return lax.sort((x, y, z, i), dimension=dim, is_stable=True, num_keys=num_keys)
+
+    outs = check_scaled(fn, [x, y, z, iota], dtype, ulps=0)
+    assert [float(o.scale) for o in outs[:3]] == [float(a.scale) for a in (x, y, z)]
+    assert not isinstance(outs[3], js.ScaledArray)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_argsort_with_plain_payload(dtype, data):
+    x = data.draw(scaled_arrays(data.draw(shapes(max_dims=2)), dtype))
+    check_scaled(lambda x: jnp.argsort(x, axis=-1, stable=True), [x], dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_top_k(dtype, data):
+    shape = data.draw(shapes())
+    k = data.draw(st.integers(1, shape[-1]))
+    x = data.draw(scaled_arrays(shape, dtype))
+    values, indices = check_scaled(lambda x: lax.top_k(x, k), [x], dtype, ulps=0)
+    assert float(values.scale) == float(x.scale)
+    assert not isinstance(indices, js.ScaledArray)
+
+
+def _window_config(data, ndim: int) -> dict:
+    sizes = tuple(data.draw(st.integers(1, 3)) for _ in range(ndim))
+    return dict(
+        window_dimensions=sizes,
+        window_strides=tuple(data.draw(st.integers(1, 2)) for _ in range(ndim)),
+        padding=data.draw(st.sampled_from(["VALID", "SAME"])),
+        base_dilation=tuple(data.draw(st.integers(1, 2)) for _ in range(ndim)),
+        window_dilation=tuple(data.draw(st.integers(1, 2)) for _ in range(ndim)),
+    )
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_reduce_window_sum(dtype, data):
+    shape = data.draw(shapes(min_dims=2, max_dims=3, max_side=6))
+    config = _window_config(data, len(shape))
+    x = data.draw(scaled_arrays(shape, dtype))
+    fn = lambda x: lax.reduce_window(x, 0.0, lax.add, **config)  # noqa: E731
+    check_scaled(fn, [x], dtype, ulps=_sum_ulps(math.prod(config["window_dimensions"])),
+                 normwise=True)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_reduce_window_max_min(dtype, data):
+    op, init = data.draw(st.sampled_from([(lax.max, -jnp.inf), (lax.min, jnp.inf)]))
+    shape = data.draw(shapes(min_dims=2, max_dims=3, max_side=6))
+    config = _window_config(data, len(shape))
+    x = data.draw(scaled_arrays(shape, dtype))
+    out = check_scaled(lambda x: lax.reduce_window(x, init, op, **config), [x], dtype, ulps=0)
+    assert float(out.scale) == float(x.scale)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_flax_pooling(dtype, data):
+    x = data.draw(scaled_arrays((2, 6, 5, 3), dtype))
+    check_scaled(lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)), [x], dtype, ulps=0)
+    check_scaled(lambda x: nn.avg_pool(x, (2, 3), padding="SAME"), [x], dtype,
+                 ulps=_sum_ulps(6), normwise=True)
+
+
+@few
+@given(data=st.data())
+def test_reductions_e8m0_bit_identical(data):
+    x = data.draw(scaled_arrays((4, 6), jnp.float16))
+    check_e8m0_matches(lambda x: jnp.sum(x, 1, dtype=x.dtype), [x])
+    check_e8m0_matches(lambda x: jnp.cumsum(x, 0), [x])
+    check_e8m0_matches(lambda x: lax.reduce_window(x, 0.0, lax.add, (2, 2), (1, 1), "SAME"), [x])
+    check_e8m0_matches(lambda x: jnp.cumprod(x, 1), [x])
