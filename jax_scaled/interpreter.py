@@ -21,10 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_scaled import _jax_internals as jxi
+from jax_scaled import estimates
 from jax_scaled.array import ScaledArray, _is_array_like
 from jax_scaled.config import ScalifyConfig, current_config
 from jax_scaled.pow2 import pow2_split, static_pow2_split
 from jax_scaled.registry import applies_to_unscaled, find_scale_rule
+from jax_scaled.rules._common import rescale
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -35,11 +37,14 @@ class Slot:
 
     ``constant`` is the Python value of a broadcast scalar known at trace time (a literal,
     a folded constant). ``base`` is the 0-d array the value is a broadcast of, when known.
+    ``estimate`` is a static power-of-two estimate of a plain value's magnitude (see
+    :mod:`jax_scaled.estimates`), used to scale it if it meets a ScaledArray.
     """
 
     value: Value
     constant: float | None = None
     base: jax.Array | None = None
+    estimate: float | None = None
 
     @property
     def is_scaled(self) -> bool:
@@ -149,7 +154,8 @@ def _constant_slot(value: Any) -> Slot:
     if isinstance(value, ScaledArray) or isinstance(value, jax.core.Tracer):
         return Slot(value)
     if np.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.floating):
-        return Slot(value, constant=float(value), base=value)
+        constant = float(value)
+        return Slot(value, constant=constant, base=value, estimate=estimates.of_constant(constant))
     return Slot(value)
 
 
@@ -196,13 +202,80 @@ def _forward(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     with jxi.eqn_user_context(eqn):
         outs = eqn.primitive.bind(*subfuns, *[s.value for s in in_slots], **params)
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
+    out_slots = _forwarded_facts(eqn, in_slots, outs)
+    if len(out_slots) == 1 and jnp.issubdtype(out_slots[0].value.dtype, jnp.floating):
+        constant = out_slots[0].constant
+        if constant is not None:
+            estimate = estimates.of_constant(constant)
+        else:
+            estimate = _forwarded_estimate(eqn, in_slots)
+        out_slots[0] = dataclasses.replace(out_slots[0], estimate=estimate)
+    return out_slots
+
+
+def _forwarded_estimate(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> float | None:
+    if eqn.primitive.name == "convert_element_type":
+        from_float = jnp.issubdtype(in_slots[0].value.dtype, jnp.floating)
+        return estimates.cast_estimate(in_slots[0].estimate, from_float)
+    return estimates.propagate(
+        eqn.primitive.name,
+        [s.estimate for s in in_slots],
+        [tuple(np.shape(s.value)) for s in in_slots],
+        eqn.params,
+    )
+
+
+def _forwarded_facts(eqn: jxi.JaxprEqn, in_slots: list[Slot], outs: list) -> list[Slot]:
+    """Broadcast-scalar facts of a forwarded equation's outputs."""
     source = in_slots[0] if in_slots else None
     if source is not None and (source.base is not None or source.constant is not None):
-        if eqn.primitive.name in _FACT_PRESERVING:
+        name = eqn.primitive.name
+        if name in _FACT_PRESERVING:
             return [Slot(outs[0], constant=source.constant, base=source.base)]
-        if eqn.primitive.name == "convert_element_type":
+        if name == "convert_element_type":
             return [_converted_fact(source, outs[0])]
+        if name == "reduce_sum":
+            return [_summed_fact(source, outs[0], eqn.params["axes"])]
+        if name in _ELEMENTWISE and all(_has_fact(s) for s in in_slots):
+            return [_elementwise_fact(eqn, in_slots, outs[0])]
     return [_plain_slot(v) for v in outs]
+
+
+# Float elementwise primitives: on broadcast scalars their result is a broadcast scalar.
+_ELEMENTWISE = {
+    "neg", "add", "sub", "mul", "div", "max", "min", "abs", "sign", "exp", "exp2", "log",
+    "log1p", "expm1", "sqrt", "rsqrt", "square", "integer_pow", "pow", "tanh", "logistic",
+}  # fmt: skip
+
+
+def _has_fact(slot: Slot) -> bool:
+    return slot.base is not None or slot.constant is not None
+
+
+def _scalar_of(slot: Slot) -> Any:
+    """The 0-d value a broadcast-scalar slot repeats."""
+    if slot.base is not None:
+        return slot.base
+    return np.asarray(slot.constant, slot.value.dtype)
+
+
+def _elementwise_fact(eqn: jxi.JaxprEqn, in_slots: list[Slot], out: Any) -> Slot:
+    """An elementwise op of broadcast scalars: apply it to the scalars themselves."""
+    base = eqn.primitive.bind(*[_scalar_of(s) for s in in_slots], **eqn.params)
+    constant = None
+    if all(s.constant is not None for s in in_slots):
+        with jax.ensure_compile_time_eval():
+            scalars = [np.asarray(s.constant, s.value.dtype) for s in in_slots]
+            constant = float(eqn.primitive.bind(*scalars, **eqn.params))
+    return Slot(out, constant=constant, base=base)
+
+
+def _summed_fact(source: Slot, out: Any, axes: Sequence[int]) -> Slot:
+    """reduce_sum of a broadcast scalar c over N elements is the broadcast scalar N * c."""
+    count = math.prod(source.value.shape[a] for a in axes)
+    constant = None if source.constant is None else source.constant * count
+    base = _scalar_of(source) * np.asarray(count, source.value.dtype)
+    return Slot(out, constant=constant, base=base)
 
 
 def _converted_fact(source: Slot, out: Any) -> Slot:
@@ -248,20 +321,23 @@ def _promote_inputs(in_slots: list[Slot]) -> list[Value]:
 
 def _promote(slot: Slot, reference_scale: jax.Array) -> Value:
     value = slot.value
-    no_facts = slot.base is None and slot.constant is None
+    no_facts = slot.base is None and slot.constant is None and slot.estimate is None
     if slot.is_scaled or no_facts or not jnp.issubdtype(value.dtype, jnp.floating):
         return value
     scale_dtype = current_config().scale_dtype or reference_scale.dtype
     if slot.constant is not None and (slot.constant == 0 or not math.isfinite(slot.constant)):
         # Zeros, infinities and NaNs are the same at any scale: take the other operand's.
-        return ScaledArray(value, reference_scale)
+        return ScaledArray(jnp.asarray(value), reference_scale)
     if slot.constant is not None:
         mantissa, scale = static_pow2_split(slot.constant)
         data = jnp.full(value.shape, mantissa, value.dtype)
         return ScaledArray(data, jnp.asarray(scale, jnp.float32).astype(scale_dtype))
-    mantissa, scale = pow2_split(jnp.asarray(slot.base))
-    data = jnp.broadcast_to(mantissa.astype(value.dtype), value.shape)
-    return ScaledArray(data, scale.astype(scale_dtype))
+    if slot.base is not None:
+        mantissa, scale = pow2_split(jnp.asarray(slot.base))
+        data = jnp.broadcast_to(mantissa.astype(value.dtype), value.shape)
+        return ScaledArray(data, scale.astype(scale_dtype))
+    scale = jnp.asarray(slot.estimate, jnp.float32)
+    return ScaledArray(rescale(value, 1 / scale), scale.astype(scale_dtype))
 
 
 # ---------------------------------------------------------------------------------------
@@ -311,12 +387,12 @@ register_higher_order_rule(jxi.closed_call_p)(_inline_call("call_jaxpr"))
 def _jit_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     """Re-bind a nested ``jit`` through ``jax.jit``, keeping its name, donation and shardings."""
     params = eqn.params
-    constants = [s.constant if not s.is_scaled else None for s in in_slots]
+    static_facts = [(s.constant, s.estimate) for s in in_slots]
 
     def body(*values):
         slots = [
-            _constant_slot(v) if c is None else Slot(v, constant=c, base=None)
-            for v, c in zip(values, constants, strict=False)
+            Slot(v, constant=c, estimate=e) if (c, e) != (None, None) else _constant_slot(v)
+            for v, (c, e) in zip(values, static_facts, strict=True)
         ]
         return [s.value for s in _interpret_closed(params["jaxpr"], slots)]
 
