@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_split
+from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_round, pow2_split
 
 DTypeLike = Any
 
@@ -180,31 +180,41 @@ def _as_scaled_leaf(x: Any, scale, scale_dtype) -> Any:
     elif x.ndim == 0:
         data, scale = pow2_split(x)
     else:
-        data, scale = x, _default_array_scale(x)
+        scale = _default_array_scale(x)
+        data = (x.astype(jnp.promote_types(x.dtype, jnp.float32)) / scale).astype(x.dtype)
     return ScaledArray(data, scale.astype(scale_dtype or jnp.float32))
 
 
 def _default_array_scale(x: jax.Array) -> jax.Array:
-    """Scale 1, or the smallest scale for an all-zero array (it carries no scale information)."""
-    all_zero = jnp.all(x == 0)
-    return jnp.where(all_zero, jnp.float32(2.0**MIN_SCALE_EXPONENT), jnp.float32(1))
+    """The power of two at or below the RMS of ``x``: data near unit scale, as rules assume.
+
+    All-zero arrays get the smallest scale (they carry no scale information); arrays with
+    non-finite values get 1.
+    """
+    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    rms = jnp.sqrt(jnp.mean(jnp.square(wide)))
+    scale = pow2_round(rms)
+    scale = jnp.where(rms == 0, jnp.float32(2.0**MIN_SCALE_EXPONENT), scale)
+    return jnp.where(jnp.isfinite(rms), scale, jnp.float32(1))
 
 
 def as_scaled_array(tree: Any, scale=None, scale_dtype: DTypeLike | None = None) -> Any:
     """Turn every floating leaf of ``tree`` into a ScaledArray (value unchanged).
 
-    Arrays get ``scale`` (default 1, so ``data`` is the array itself; an all-zero array, such
-    as a freshly initialised bias or optimizer moment, gets the smallest scale ``2^-126`` so
-    that it never dominates a scale estimate); floating scalars are split into a mantissa and
-    an exact power-of-two scale. Integer and boolean leaves and
+    Arrays get ``scale`` if given; by default the power of two at or below their root mean
+    square, so that ``data`` is near unit scale (the assumption behind every scale rule: a
+    weight initialised with standard deviation ``1/sqrt(fan_in)`` gets that scale). An
+    all-zero array, such as a fresh bias or optimizer moment, gets the smallest scale
+    ``2^-126`` so that it never dominates an estimate. Floating scalars are split exactly into
+    a mantissa and a power-of-two scale. The default costs one reduction per array. Integer and boolean leaves and
     non-array values are returned unchanged; ScaledArray leaves are kept (their scale cast
     to ``scale_dtype`` if given). ``scale_dtype`` defaults to float32; pass
     ``jnp.float8_e8m0fnu`` for E8M0 scales.
 
     Example:
-        >>> x = as_scaled_array({"w": jnp.ones(2), "step": jnp.int32(0)})
-        >>> type(x["w"]).__name__, type(x["step"]).__name__
-        ('ScaledArray', 'ArrayImpl')
+        >>> x = as_scaled_array({"w": jnp.full(2, 0.1), "step": jnp.int32(0)})
+        >>> type(x["w"]).__name__, type(x["step"]).__name__, float(x["w"].scale)
+        ('ScaledArray', 'ArrayImpl', 0.0625)
     """
     return jax.tree.map(
         lambda x: _as_scaled_leaf(x, scale, scale_dtype),

@@ -141,3 +141,22 @@ def test_mlp_float16_fidelity_at_tiny_input_scale():
     raw_error = relative_error(value64(raw_grads[0]["w"]), want)
     assert scaled_error < 2e-2, scaled_error  # a few float16 roundings through the MLP
     assert raw_error > 0.5, raw_error  # raw float16 gradients of the first layer are lost
+
+
+def test_mlp_gradients_are_near_unit_scale():
+    """Static estimates keep gradient data near 1 (the property that makes float16 work)."""
+    params = init_mlp(jax.random.key(6))
+    x, labels = mlp_batch(jax.random.key(7), batch=64)
+    _, grads = jax.jit(js.scalify(jax.value_and_grad(mlp_loss)))(
+        js.as_scaled_array(params), js.as_scaled_array(x), labels
+    )
+    for grad in js.tree.tree_leaves(grads):
+        rms = float(jnp.sqrt(jnp.mean(jnp.square(grad.data))))
+        assert 2.0**-4 <= rms <= 2.0**4, (rms, float(grad.scale))
+
+
+def test_as_scaled_array_puts_data_near_unit_scale():
+    w = jax.random.normal(jax.random.key(8), (256, 64)) * 0.01
+    scaled_w = js.as_scaled_array(w)
+    assert float(scaled_w.scale) == 2.0**-7
+    np.testing.assert_array_equal(js.asarray(scaled_w), w)
