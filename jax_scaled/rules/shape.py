@@ -35,6 +35,7 @@ for _primitive in (
     lax.transpose_p,
     lax.slice_p,
     lax.rev_p,
+    lax.tile_p,
 ):
     _register_data_movement(_primitive)
 
