@@ -206,10 +206,11 @@ def as_scaled_array(tree: Any, scale=None, scale_dtype: DTypeLike | None = None)
     weight initialised with standard deviation ``1/sqrt(fan_in)`` gets that scale). An
     all-zero array, such as a fresh bias or optimizer moment, gets the smallest scale
     ``2^-126`` so that it never dominates an estimate. Floating scalars are split exactly into
-    a mantissa and a power-of-two scale. The default costs one reduction per array. Integer and boolean leaves and
-    non-array values are returned unchanged; ScaledArray leaves are kept (their scale cast
-    to ``scale_dtype`` if given). ``scale_dtype`` defaults to float32; pass
-    ``jnp.float8_e8m0fnu`` for E8M0 scales.
+    a mantissa and a power-of-two scale. The default costs one reduction per array.
+
+    Integer and boolean leaves and non-array values are returned unchanged; ScaledArray leaves
+    are kept (their scale cast to ``scale_dtype`` if given). ``scale_dtype`` defaults to
+    float32; pass ``jnp.float8_e8m0fnu`` for E8M0 scales.
 
     Example:
         >>> x = as_scaled_array({"w": jnp.full(2, 0.1), "step": jnp.int32(0)})

@@ -37,7 +37,7 @@ class TestForwarding:
         np.testing.assert_allclose(js.asarray(out_x), [3.0, 6.0])
 
 
-class TestComposition:
+class TestJitAndEager(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_jit_and_eager(self):
         f = self.variant(js.scalify(affine))
@@ -45,6 +45,8 @@ class TestComposition:
         assert isinstance(out, js.ScaledArray)
         np.testing.assert_allclose(js.asarray(out), affine(jnp.ones((3, 2)), jnp.ones((4, 3))))
 
+
+class TestComposition:
     def test_pytrees_and_keyword_arguments(self):
         def f(params, *, x):
             return {"y": params["w"] * x, "n": params["n"] + 1}

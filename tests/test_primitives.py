@@ -9,7 +9,7 @@ import pytest
 import jax_scaled as js
 
 
-class TestOutsideScalify:
+class TestIdentities(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_identities(self):
         x = jnp.array([1.0, -2.0, 3.0])
@@ -21,6 +21,8 @@ class TestOutsideScalify:
         stopped = self.variant(lambda v: js.stop_scaling(v, jnp.float16))(x)
         assert stopped.dtype == jnp.float16
 
+
+class TestOutsideScalify:
     def test_gradients_flow_through_unchanged(self):
         def f(x):
             data, _ = js.get_data_and_scale(js.rebalance(js.set_scaling(x, 2.0), 4.0))

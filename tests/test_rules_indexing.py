@@ -47,8 +47,9 @@ def test_reads_bit_exact(dtype, data):
         starts = (start,) + (start * 0,) * (x.ndim - 1)  # one int type, also under x64
         return {
             "take": jnp.take(x, rows, axis=0),
-            "take_along_axis": jnp.take_along_axis(x, jnp.broadcast_to(cols, (*shape[:-1], 3 * m)),
-                                                   axis=-1),
+            "take_along_axis": jnp.take_along_axis(
+                x, jnp.broadcast_to(cols, (*shape[:-1], 3 * m)), axis=-1
+            ),
             "fancy": x[jnp.clip(rows, 0, n - 1), ..., 0],
             "dynamic_index": x[jnp.clip(start, 0, n - 1)],
             "lax.dynamic_slice": lax.dynamic_slice(x, starts, (1, *shape[1:])),

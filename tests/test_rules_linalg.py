@@ -33,7 +33,9 @@ DOT_CASES = {
     "matmul": lambda m, n, k, k2, b: ((m, k), (k, n), (((1,), (0,)), ((), ()))),
     "transposed": lambda m, n, k, k2, b: ((k, m), (n, k), (((0,), (1,)), ((), ()))),
     "two_contracting": lambda m, n, k, k2, b: (
-        (m, k, k2), (k2, n, k), (((1, 2), (2, 0)), ((), ()))
+        (m, k, k2),
+        (k2, n, k),
+        (((1, 2), (2, 0)), ((), ())),
     ),
     "batch_leading": lambda m, n, k, k2, b: ((b, m, k), (b, k, n), (((2,), (1,)), ((0,), (0,)))),
     "batch_moved": lambda m, n, k, k2, b: ((m, b, k), (k, n, b), (((2,), (0,)), ((1,), (2,)))),
@@ -58,8 +60,9 @@ def test_dot_general_dimension_numbers(name, dtype, data):
     x = data.draw(scaled_arrays(x_shape, dtype))
     y = data.draw(scaled_arrays(y_shape, dtype))
     k = _contraction_size(x_shape, dn)
-    out = check_scaled(lambda x, y: lax.dot_general(x, y, dn), [x, y], dtype,
-                       ulps=_ulps(k), normwise=True)
+    out = check_scaled(
+        lambda x, y: lax.dot_general(x, y, dn), [x, y], dtype, ulps=_ulps(k), normwise=True
+    )
     assert out.dtype == dtype
     assert float(out.scale) == float(x.scale) * float(y.scale) * _pow2_sqrt(k)
 
@@ -87,8 +90,9 @@ def test_dot_general_preferred_float32(x_dtype, y_dtype, data):
         return lax.dot_general(x, y, dn, preferred_element_type=jnp.float32)
 
     # Narrow products are exact in float32: only float32 accumulation rounding remains.
-    out = check_scaled(fn, [x, y], jnp.float32, ulps=_ulps(_contraction_size(x_shape, dn)),
-                       normwise=True)
+    out = check_scaled(
+        fn, [x, y], jnp.float32, ulps=_ulps(_contraction_size(x_shape, dn)), normwise=True
+    )
     assert out.dtype == jnp.float32
 
 
@@ -131,7 +135,8 @@ def _conv_config(data, ndim: int) -> dict:
         rhs_shape=(cout, cin // fgc) + kernel,
         window_strides=ints(1, 2),
         padding=tuple((lo, hi) for lo, hi in zip(ints(0, 2), ints(0, 2), strict=True))
-        if padding == "explicit" else padding,
+        if padding == "explicit"
+        else padding,
         lhs_dilation=lhs_dilation,
         rhs_dilation=ints(1, 2),
         feature_group_count=fgc,
@@ -168,7 +173,11 @@ def test_conv_nhwc_preferred_float32(dtype, data):
         # The float64 reference cannot ask for a narrower preferred type.
         preferred = None if lhs.dtype == jnp.float64 else jnp.float32
         return lax.conv_general_dilated(
-            lhs, rhs, (1, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            lhs,
+            rhs,
+            (1, 2),
+            "SAME",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
             preferred_element_type=preferred,
         )
 
@@ -184,4 +193,3 @@ def test_linalg_e8m0_bit_identical(data):
     w = data.draw(scaled_arrays((4, 3, 2, 3), jnp.float16))
     check_e8m0_matches(lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME"), [x, w])
     check_e8m0_matches(lambda x, w: lax.dot_general(x, w, (((1,), (1,)), ((), ()))), [x, w])
-

@@ -37,8 +37,9 @@ def test_reduce_sum(dtype, data):
     axes = _axes(data, shape)
     x = data.draw(scaled_arrays(shape, dtype))
     n = math.prod(shape[a] for a in axes)
-    out = check_scaled(lambda x: jnp.sum(x, axes, dtype=x.dtype), [x], dtype,
-                       ulps=_sum_ulps(n), normwise=True)
+    out = check_scaled(
+        lambda x: jnp.sum(x, axes, dtype=x.dtype), [x], dtype, ulps=_sum_ulps(n), normwise=True
+    )
     assert out.dtype == dtype
     sqrt_n = 2.0 ** math.floor(math.log2(math.sqrt(n)))  # default rounding: down
     assert float(out.scale) == float(x.scale) * sqrt_n
@@ -137,8 +138,9 @@ def test_cumlogsumexp(dtype, data):
     axis = data.draw(st.integers(0, len(shape) - 1))
     reverse = data.draw(st.booleans())
     x = data.draw(scaled_arrays(shape, dtype))
-    out = check_scaled(lambda x: lax.cumlogsumexp(x, axis, reverse=reverse), [x], dtype,
-                       ulps=4, normwise=True)
+    out = check_scaled(
+        lambda x: lax.cumlogsumexp(x, axis, reverse=reverse), [x], dtype, ulps=4, normwise=True
+    )
     if shape[axis] > 1:
         assert float(out.scale) == max(float(x.scale), 1.0)
 
@@ -215,8 +217,9 @@ def test_reduce_window_sum(dtype, data):
     config = _window_config(data, len(shape))
     x = data.draw(scaled_arrays(shape, dtype))
     fn = lambda x: lax.reduce_window(x, 0.0, lax.add, **config)  # noqa: E731
-    check_scaled(fn, [x], dtype, ulps=_sum_ulps(math.prod(config["window_dimensions"])),
-                 normwise=True)
+    check_scaled(
+        fn, [x], dtype, ulps=_sum_ulps(math.prod(config["window_dimensions"])), normwise=True
+    )
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -237,8 +240,13 @@ def test_reduce_window_max_min(dtype, data):
 def test_flax_pooling(dtype, data):
     x = data.draw(scaled_arrays((2, 6, 5, 3), dtype))
     check_scaled(lambda x: nn.max_pool(x, (2, 2), strides=(2, 2)), [x], dtype, ulps=0)
-    check_scaled(lambda x: nn.avg_pool(x, (2, 3), padding="SAME"), [x], dtype,
-                 ulps=_sum_ulps(6), normwise=True)
+    check_scaled(
+        lambda x: nn.avg_pool(x, (2, 3), padding="SAME"),
+        [x],
+        dtype,
+        ulps=_sum_ulps(6),
+        normwise=True,
+    )
 
 
 @few

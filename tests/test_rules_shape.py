@@ -118,12 +118,6 @@ def test_pad_value_above_operand_raises_scale_instead_of_overflowing():
     np.testing.assert_array_equal(value64(out), [1.5 * 2**12] + [2.0**-12] * 3 + [1.5 * 2**12])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="core: interpreter._promote wraps a zero/inf/nan jaxpr Literal's raw value "
-    "(TypedFloat) in a ScaledArray without converting it to an array",
-)
 def test_pad_with_zero_literal():
     """``lax.pad(x, 0.0, ...)``: the zero literal is promoted at x's scale."""
     x = js.scaled_array(jnp.array([1.0, -2.0], jnp.float32), 2.0**-20)

@@ -43,8 +43,10 @@ def _linear(s: float, dtype) -> float:
 
 def _floored(estimate, bound: float):
     """``estimate`` floored so that ``bound / scale`` fits the data dtype (as the rules do)."""
-    return lambda s, dtype: max(estimate(s, dtype), 2.0 ** math.ceil(
-        math.log2(bound / float(ml_dtypes.finfo(jnp.dtype(dtype)).max))))
+    return lambda s, dtype: max(
+        estimate(s, dtype),
+        2.0 ** math.ceil(math.log2(bound / float(ml_dtypes.finfo(jnp.dtype(dtype)).max))),
+    )
 
 
 def _atol(dtype, out_scale: float, ulps: float = 1.0) -> float:
@@ -83,8 +85,11 @@ UNARY = {
 def test_unary(name, dtype, data):
     fn, estimate, domain, (min_exp, max_exp) = UNARY[name]
     low, high = domain or (None, None)
-    x = data.draw(scaled_arrays(data.draw(shapes()), dtype, min_exp=min_exp, max_exp=max_exp,
-                                low=low, high=high))
+    x = data.draw(
+        scaled_arrays(
+            data.draw(shapes()), dtype, min_exp=min_exp, max_exp=max_exp, low=low, high=high
+        )
+    )
     out_scale = estimate(float(x.scale), dtype)
     ulps = 4 + LIBRARY_ULPS32.get(name, 0) * eps(jnp.float32) / eps(dtype)
     out = check_scaled(fn, [x], dtype, ulps=ulps, atol=_atol(dtype, out_scale))
@@ -139,8 +144,9 @@ def test_atan2(dtype, data):
 def test_pow_constant_exponent(exponent, dtype, data):
     """x ** c at scales 2^-40..2^40 (2^-20..2^20 for |c| = 3: the result must fit float32)."""
     limit = 20 if abs(exponent) > 2 else 40
-    base = data.draw(scaled_arrays(data.draw(shapes()), dtype, low=0.25, high=4,
-                                   min_exp=-limit, max_exp=limit))
+    base = data.draw(
+        scaled_arrays(data.draw(shapes()), dtype, low=0.25, high=4, min_exp=-limit, max_exp=limit)
+    )
     sign = data.draw(st.sampled_from([1, -1]))
     base = js.ScaledArray(sign * base.data, base.scale)  # negative base: NaN unless c integral
     check_scaled(lambda a: a**exponent, [base], dtype)
