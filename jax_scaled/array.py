@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -173,16 +174,29 @@ def _as_scaled_leaf(x: Any, scale, scale_dtype) -> Any:
         return x
     if not _is_float_dtype(jnp.result_type(x)):
         return x
-    x = jnp.asarray(x)
-    if scale is not None:
-        scale = jnp.asarray(scale, dtype=jnp.float32)
-        data = (x.astype(jnp.promote_types(x.dtype, jnp.float32)) / scale).astype(x.dtype)
-    elif x.ndim == 0:
+    scale_dtype = jnp.dtype(scale_dtype or jnp.float32)
+    if scale is None:
+        data, scale = _split_array(jnp.asarray(x), scale_dtype)
+    else:
+        data, scale = _divide_by_scale(jnp.asarray(x), jnp.asarray(scale, jnp.float32), scale_dtype)
+    return ScaledArray(data, scale)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_array(x: jax.Array, scale_dtype) -> tuple[jax.Array, jax.Array]:
+    """Default ``(data, scale)`` of an array: a mantissa split for scalars, RMS for arrays."""
+    if x.ndim == 0:
         data, scale = pow2_split(x)
     else:
         scale = _default_array_scale(x)
         data = (x.astype(jnp.promote_types(x.dtype, jnp.float32)) / scale).astype(x.dtype)
-    return ScaledArray(data, scale.astype(scale_dtype or jnp.float32))
+    return data, scale.astype(scale_dtype)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _divide_by_scale(x: jax.Array, scale: jax.Array, scale_dtype) -> tuple[jax.Array, jax.Array]:
+    data = (x.astype(jnp.promote_types(x.dtype, jnp.float32)) / scale).astype(x.dtype)
+    return data, scale.astype(scale_dtype)
 
 
 def _default_array_scale(x: jax.Array) -> jax.Array:
@@ -217,11 +231,25 @@ def as_scaled_array(tree: Any, scale=None, scale_dtype: DTypeLike | None = None)
         >>> type(x["w"]).__name__, type(x["step"]).__name__, float(x["w"].scale)
         ('ScaledArray', 'ArrayImpl', 0.0625)
     """
-    return jax.tree.map(
-        lambda x: _as_scaled_leaf(x, scale, scale_dtype),
-        tree,
-        is_leaf=lambda x: isinstance(x, ScaledArray),
-    )
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, ScaledArray))
+    convert = [i for i, x in enumerate(leaves) if _needs_split(x) and scale is None]
+    if convert:  # one compiled call for all arrays: as cheap as it gets per training step
+        dtype = jnp.dtype(scale_dtype or jnp.float32)
+        split = _split_arrays(tuple(jnp.asarray(leaves[i]) for i in convert), dtype)
+        for i, (data, leaf_scale) in zip(convert, split, strict=True):
+            leaves[i] = ScaledArray(data, leaf_scale)
+    leaves = [_as_scaled_leaf(x, scale, scale_dtype) for x in leaves]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _needs_split(x: Any) -> bool:
+    is_float = (_is_array_like(x) or isinstance(x, float)) and _is_float_dtype(jnp.result_type(x))
+    return is_float and not isinstance(x, ScaledArray)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_arrays(xs: tuple[jax.Array, ...], scale_dtype) -> list[tuple[jax.Array, jax.Array]]:
+    return [_split_array(x, scale_dtype) for x in xs]
 
 
 def asarray(tree: Any, dtype: DTypeLike | None = None) -> Any:
