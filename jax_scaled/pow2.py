@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -167,3 +168,34 @@ def static_pow2_split(value: float) -> tuple[float, float]:
     """
     scale = static_pow2_round(value)
     return float(value) / scale, scale
+
+
+# Added to the float32 bits of a positive value before masking out the mantissa: rounding
+# down adds nothing, up carries any non-zero mantissa into the exponent, nearest carries a
+# mantissa at or above sqrt(2).
+_ROUNDING_OFFSET = {
+    Rounding.DOWN: 0,
+    Rounding.UP: (1 << _MANTISSA_BITS) - 1,
+    Rounding.NEAREST: (1 << _MANTISSA_BITS) - _SQRT2_MANTISSA_BITS,
+}
+
+
+def pow2_round_positive(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Array:
+    """:func:`pow2_round` for positive float32 scale estimates, in five operations.
+
+    Scale rules produce positive estimates only (products, quotients and norms of scales), so
+    this skips the zero/sign/NaN handling of :func:`pow2_round`. The result is clamped to
+    ``[2^-126, 2^127]``: a zero estimate gives ``2^-126``, an infinite one ``2^127``.
+
+    Example:
+        >>> float(pow2_round_positive(jnp.float32(0.3))), float(pow2_round_positive(3.0, "up"))
+        (0.25, 4.0)
+    """
+    bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+    offset = _ROUNDING_OFFSET[Rounding(rounding)]
+    if offset:
+        bits = bits + jnp.uint32(offset)
+    rounded = lax.bitcast_convert_type(bits & jnp.uint32(0xFF800000), jnp.float32)
+    return lax.clamp(
+        jnp.float32(2.0**MIN_SCALE_EXPONENT), rounded, jnp.float32(2.0**MAX_SCALE_EXPONENT)
+    )

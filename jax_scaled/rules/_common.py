@@ -21,7 +21,7 @@ from jax import lax
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
-from jax_scaled.pow2 import pow2_round, static_pow2_round
+from jax_scaled.pow2 import pow2_round_positive, static_pow2_round
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -51,7 +51,7 @@ def out_scale_dtype(*xs: Value) -> jnp.dtype:
 
 def round_scale(scale: jax.Array) -> jax.Array:
     """Round a positive float32 scale estimate to a power of two (configured rounding)."""
-    return pow2_round(scale, current_config().rounding)
+    return pow2_round_positive(scale, current_config().rounding)
 
 
 def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
@@ -81,8 +81,9 @@ def safe_ratio(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """``numerator / denominator`` for scales, with 0/0 (two zero scales) giving 1."""
     if numerator is denominator:
         return jnp.ones((), jnp.float32)
-    one = jnp.ones((), jnp.float32)
-    return lax.select(denominator == 0, one, numerator / denominator)
+    # Scales are >= 2^-126 unless zero; a zero denominator means a zero numerator (the
+    # denominator is the larger scale), whose data is multiplied by 0: the value stays 0.
+    return numerator / lax.max(denominator, jnp.float32(2.0**-126))
 
 
 def align(*xs: Value, scale: jax.Array | None = None) -> tuple[list[jax.Array], jax.Array]:
@@ -125,8 +126,8 @@ def from_compute(value: jax.Array, scale: jax.Array, dtype, *like: Value) -> Sca
 def l2_scale(*scales: jax.Array) -> jax.Array:
     """``sqrt(sum(s**2))`` of 0-d float32 scales, computed without overflow."""
     largest = max_scale(list(scales))
-    total = sum(jnp.square(safe_ratio(s, largest)) for s in scales)
-    return jnp.sqrt(total) * largest
+    total = sum(lax.square(safe_ratio(s, largest)) for s in scales)
+    return lax.sqrt(total) * largest
 
 
 def wide_data(x: Value, scale: jax.Array) -> jax.Array:
