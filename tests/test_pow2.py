@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_scaled.pow2 import is_pow2, pow2_round, pow2_split, static_pow2_round
+from jax_scaled.pow2 import (
+    is_pow2,
+    pow2_round,
+    pow2_round_positive,
+    pow2_split,
+    static_pow2_round,
+)
 
 FORMATS = [
     jnp.float32,
@@ -94,3 +100,15 @@ def test_scales_cast_exactly_to_e8m0():
 def test_split_rejects_integers():
     with pytest.raises(TypeError):
         pow2_split(jnp.arange(3))
+
+
+@given(st.floats(min_value=2.0**-126, max_value=2.0**127, allow_subnormal=False))
+def test_fast_positive_round_matches_general_round(value):
+    for rounding in ["down", "up", "nearest"]:
+        fast = float(pow2_round_positive(jnp.float32(value), rounding))
+        assert fast == float(pow2_round(jnp.float32(value), rounding))
+
+
+def test_fast_positive_round_clamps():
+    out = pow2_round_positive(jnp.array([0.0, 1e-45, jnp.inf], jnp.float32))
+    np.testing.assert_array_equal(np.asarray(out), [2.0**-126, 2.0**-126, 2.0**127])
