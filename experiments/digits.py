@@ -49,6 +49,11 @@ class Config:
     hidden: tuple[int, ...] = (128, 128)
     optimizer: str = "adam"  # "adam" or "sgd" (with momentum 0.9)
     learning_rate: float | None = None  # default: 1e-3 for adam, 0.05 for sgd
+    # Adam's epsilon. optax's 1e-8 is below float16's smallest subnormal (6e-8): JAX rounds
+    # the constant to 0 while tracing a float16 program, so m / (sqrt(v) + eps) is 0/0 for
+    # any unused input pixel, in raw float16 and in scalified float16 alike (scalify sees the
+    # program after JAX rounded it). 1e-7 is representable in float16; fp32 is unaffected.
+    adam_eps: float = 1e-7
     seed: int = 0
     test_fraction: float = 0.25
     warmup_steps: int = 10  # steps left out of the ms/step median (compilation, caches)
@@ -207,7 +212,7 @@ def evaluate(params, batch):
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
     if config.optimizer == "adam":
-        return optax.adam(config.learning_rate or 1e-3)
+        return optax.adam(config.learning_rate or 1e-3, eps=config.adam_eps)
     if config.optimizer == "sgd":
         return optax.sgd(config.learning_rate or 0.05, momentum=0.9)
     raise ValueError(f"unknown optimizer {config.optimizer!r} (use 'adam' or 'sgd')")
@@ -346,6 +351,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default=defaults.optimizer)
     parser.add_argument("--lr", type=float, default=None, help="learning rate")
+    parser.add_argument(
+        "--adam-eps", type=float, default=defaults.adam_eps, help="Adam epsilon (see Config)"
+    )
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument(
@@ -379,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             batch_size=args.batch_size,
             optimizer=args.optimizer,
             learning_rate=args.lr,
+            adam_eps=args.adam_eps,
             seed=args.seed,
         )
         start = time.perf_counter()
