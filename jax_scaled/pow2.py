@@ -199,3 +199,44 @@ def pow2_round_positive(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Arra
     return lax.clamp(
         jnp.float32(2.0**MIN_SCALE_EXPONENT), rounded, jnp.float32(2.0**MAX_SCALE_EXPONENT)
     )
+
+
+def pow2_reciprocal(scale) -> jax.Array:
+    """``1 / scale`` for a float32 power of two in ``[2^-126, 2^127]``, with integer operations.
+
+    Exact, and cheap enough for XLA to fuse into the consumers (a float division is not).
+    ``1 / 2^127`` is below float32's normal range and gives 0; so does any ``scale`` whose
+    reciprocal would be subnormal. Only valid for powers of two.
+
+    Example:
+        >>> float(pow2_reciprocal(jnp.float32(0.25)))
+        4.0
+    """
+    bits = lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32), jnp.int32)
+    reciprocal = jnp.int32(254 << _MANTISSA_BITS) - bits
+    reciprocal = lax.max(reciprocal, jnp.int32(1 << _MANTISSA_BITS))  # no subnormal results
+    out = lax.bitcast_convert_type(reciprocal, jnp.float32)
+    return lax.select(bits >= jnp.int32(254 << _MANTISSA_BITS), jnp.float32(0), out)
+
+
+def pow2_round_sqrt(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Array:
+    """``pow2_round_positive(sqrt(x))`` for a positive float32 ``x``, without a square root.
+
+    ``sqrt(m * 2^e)`` with ``1 <= m < 2`` is rounded from the exponent ``e`` alone: down to
+    ``2^floor(e/2)``, up to ``2^ceil(log2(x)/2)``, nearest (the same tie rule as
+    :func:`pow2_round`) to ``2^ceil(e/2)``.
+
+    Example:
+        >>> float(pow2_round_sqrt(jnp.float32(8.0))), float(pow2_round_sqrt(8.0, "up"))
+        (2.0, 4.0)
+    """
+    rounding = Rounding(rounding)
+    bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+    exponent = lax.shift_right_arithmetic(bits, jnp.int32(_MANTISSA_BITS)) - _EXPONENT_BIAS
+    if rounding is Rounding.UP:
+        inexact = (bits & jnp.int32((1 << _MANTISSA_BITS) - 1)) != 0
+        exponent = exponent + inexact.astype(jnp.int32) + 1
+    elif rounding is Rounding.NEAREST:
+        exponent = exponent + 1
+    half = lax.shift_right_arithmetic(exponent, jnp.int32(1))
+    return _pow2_from_exponent(half)

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from jax_scaled.pow2 import (
     is_pow2,
+    pow2_reciprocal,
     pow2_round,
     pow2_round_positive,
+    pow2_round_sqrt,
     pow2_split,
     static_pow2_round,
 )
@@ -112,3 +114,15 @@ def test_fast_positive_round_matches_general_round(value):
 def test_fast_positive_round_clamps():
     out = pow2_round_positive(jnp.array([0.0, 1e-45, jnp.inf], jnp.float32))
     np.testing.assert_array_equal(np.asarray(out), [2.0**-126, 2.0**-126, 2.0**127])
+
+
+@given(st.floats(min_value=2.0**-100, max_value=2.0**100, allow_subnormal=False))
+def test_rounded_sqrt_matches_rounding_the_sqrt(value):
+    for rounding in ["down", "up", "nearest"]:
+        expected = static_pow2_round(float(np.sqrt(np.float64(np.float32(value)))), rounding)
+        assert float(pow2_round_sqrt(jnp.float32(value), rounding)) == expected, rounding
+
+
+@pytest.mark.parametrize("exponent", [-126, -60, 0, 60, 126])
+def test_pow2_reciprocal_is_exact(exponent):
+    assert float(pow2_reciprocal(jnp.float32(2.0**exponent))) == 2.0**-exponent

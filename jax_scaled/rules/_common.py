@@ -21,7 +21,12 @@ from jax import lax
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
-from jax_scaled.pow2 import pow2_round_positive, static_pow2_round
+from jax_scaled.pow2 import (
+    pow2_reciprocal,
+    pow2_round_positive,
+    pow2_round_sqrt,
+    static_pow2_round,
+)
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -86,6 +91,17 @@ def safe_ratio(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     return numerator / lax.max(denominator, jnp.float32(2.0**-126))
 
 
+def ratio_to_pow2(scale: jax.Array, target: jax.Array) -> jax.Array:
+    """``scale / target`` for a power-of-two ``target`` (a rule's rounded output scale).
+
+    A multiplication by an integer-built reciprocal: exact, and fusable by XLA into the
+    data computation that uses it, where a float division would be compiled on its own.
+    """
+    if scale is target:
+        return jnp.ones((), jnp.float32)
+    return scale * pow2_reciprocal(target)
+
+
 def align(*xs: Value, scale: jax.Array | None = None) -> tuple[list[jax.Array], jax.Array]:
     """Express every input at one common scale: ``(datas, scale)``.
 
@@ -96,7 +112,7 @@ def align(*xs: Value, scale: jax.Array | None = None) -> tuple[list[jax.Array], 
         scale = max_scale(scales)
     datas = [
         as_scaled(x).data if s is scale else rescale(as_scaled(x).data, safe_ratio(s, scale))
-        for x, s in zip(xs, scales)
+        for x, s in zip(xs, scales, strict=True)
     ]
     return datas, scale
 
@@ -124,14 +140,32 @@ def from_compute(value: jax.Array, scale: jax.Array, dtype, *like: Value) -> Sca
 
 
 def l2_scale(*scales: jax.Array) -> jax.Array:
-    """``sqrt(sum(s**2))`` of 0-d float32 scales, computed without overflow."""
+    """``sqrt(sum(s**2))`` of 0-d float32 scales, computed without overflow (not rounded)."""
     largest = max_scale(list(scales))
     total = sum(lax.square(safe_ratio(s, largest)) for s in scales)
     return lax.sqrt(total) * largest
 
 
-def wide_data(x: Value, scale: jax.Array) -> jax.Array:
-    """The data of ``x`` re-expressed at ``scale``, in the compute dtype (not rounded back)."""
+def rounded_l2_scale(*scales: jax.Array) -> jax.Array:
+    """``round_scale(l2_scale(*scales))`` for power-of-two scales, without sqrt or division.
+
+    The largest scale is rounded first (a no-op for powers of two), the others are expressed
+    relative to it by exact reciprocal multiplication, and the square root is rounded from
+    the exponent of the sum of squares: every operation is cheap and fusable.
+    """
+    largest = round_scale(max_scale(list(scales)))
+    total = sum(lax.square(ratio_to_pow2(s, largest)) for s in scales)
+    rounding = current_config().rounding
+    return round_scale(pow2_round_sqrt(total, rounding) * largest)
+
+
+def wide_data(x: Value, scale: jax.Array, *, pow2_target: bool = False) -> jax.Array:
+    """The data of ``x`` re-expressed at ``scale``, in the compute dtype (not rounded back).
+
+    ``pow2_target=True`` promises ``scale`` is a power of two (a rounded estimate): the ratio
+    is then a fusable reciprocal multiplication instead of a division.
+    """
     x = as_scaled(x)
     wide = compute_dtype(x.dtype)
-    return x.data.astype(wide) * safe_ratio(scale_f32(x), scale).astype(wide)
+    ratio = ratio_to_pow2 if pow2_target else safe_ratio
+    return x.data.astype(wide) * ratio(scale_f32(x), scale).astype(wide)

@@ -18,10 +18,9 @@ from jax_scaled.rules._common import (
     as_scaled,
     compute_dtype,
     from_compute,
-    l2_scale,
     make_scale,
     max_scale,
-    round_scale,
+    rounded_l2_scale,
     scale_f32,
     to_compute,
     wide_data,
@@ -30,8 +29,9 @@ from jax_scaled.rules._common import (
 
 def _add_or_sub(x, y, op) -> ScaledArray:
     """Unit-scaling estimate for a sum of independent terms: sqrt(sx^2 + sy^2)."""
-    scale = round_scale(l2_scale(scale_f32(x), scale_f32(y)))
-    data = op(wide_data(x, scale), wide_data(y, scale)).astype(x.dtype)
+    scale = rounded_l2_scale(scale_f32(x), scale_f32(y))
+    data = op(wide_data(x, scale, pow2_target=True), wide_data(y, scale, pow2_target=True))
+    data = data.astype(x.dtype)
     return ScaledArray(data, make_scale(scale, x, y))
 
 
