@@ -207,3 +207,10 @@ class TestConfig:
         np.testing.assert_allclose(
             js.asarray(out, jnp.float32), 1.0 + np.array([1.0, 4.0]) * 2.0**-60
         )
+
+
+def test_e8m0_scales_win_over_promoted_float32_ones():
+    x = js.as_scaled_array(jnp.array([1.0, 2.0]), scale_dtype=jnp.float8_e8m0fnu)
+    out = js.scalify(lambda a, b: b * a)(x, jnp.array([3.0, 4.0]))  # b is plain
+    assert out.scale.dtype == jnp.float8_e8m0fnu
+    np.testing.assert_array_equal(js.asarray(out, jnp.float32), [3.0, 8.0])

@@ -44,14 +44,13 @@ def scale_f32(x: Value) -> jax.Array:
 
 
 def out_scale_dtype(*xs: Value) -> jnp.dtype:
-    """Scale dtype of a rule's output: the configured one, else the first scaled input's."""
+    """Scale dtype of a rule's output: the configured one, else E8M0 if any input has it."""
     configured = current_config().scale_dtype
     if configured is not None:
         return configured
-    for x in xs:
-        if isinstance(x, ScaledArray):
-            return x.scale.dtype
-    return jnp.dtype(jnp.float32)
+    dtypes = {jnp.dtype(x.scale.dtype) for x in xs if isinstance(x, ScaledArray)}
+    e8m0 = jnp.dtype(jnp.float8_e8m0fnu)
+    return e8m0 if e8m0 in dtypes else jnp.dtype(jnp.float32)
 
 
 def round_scale(scale: jax.Array) -> jax.Array:
