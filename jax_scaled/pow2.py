@@ -213,10 +213,10 @@ def pow2_reciprocal(scale) -> jax.Array:
         4.0
     """
     bits = lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32), jnp.int32)
-    reciprocal = jnp.int32(254 << _MANTISSA_BITS) - bits
-    reciprocal = lax.max(reciprocal, jnp.int32(1 << _MANTISSA_BITS))  # no subnormal results
-    out = lax.bitcast_convert_type(reciprocal, jnp.float32)
-    return lax.select(bits >= jnp.int32(254 << _MANTISSA_BITS), jnp.float32(0), out)
+    # 2^e has bits (e + 127) << 23 and 2^-e has (127 - e) << 23 = (254 << 23) - bits: never a
+    # subnormal pattern; 2^127 gives 0 and an infinite scale is clamped to 0 as well.
+    reciprocal = lax.max(jnp.int32(254 << _MANTISSA_BITS) - bits, jnp.int32(0))
+    return lax.bitcast_convert_type(reciprocal, jnp.float32)
 
 
 def pow2_round_sqrt(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Array:

@@ -22,6 +22,7 @@ from jax import lax
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.pow2 import (
+    Rounding,
     pow2_reciprocal,
     pow2_round_positive,
     pow2_round_sqrt,
@@ -153,8 +154,13 @@ def rounded_l2_scale(*scales: jax.Array) -> jax.Array:
     the exponent of the sum of squares: every operation is cheap and fusable.
     """
     largest = round_scale(max_scale(list(scales)))
-    total = sum(lax.square(ratio_to_pow2(s, largest)) for s in scales)
     rounding = current_config().rounding
+    if rounding is Rounding.DOWN and len(scales) <= 3:
+        # sqrt(sum s^2) lies in [M, sqrt(3) M) for at most three powers of two with maximum
+        # M: rounded down, it is M. The default rounding thus needs no arithmetic at all,
+        # which keeps compiled programs small (XLA copies scalar chains into every fusion).
+        return largest
+    total = sum(lax.square(ratio_to_pow2(s, largest)) for s in scales)
     return round_scale(pow2_round_sqrt(total, rounding) * largest)
 
 
