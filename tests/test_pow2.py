@@ -90,7 +90,7 @@ def test_round_matches_static_round(value):
         dynamic = float(pow2_round(jnp.float32(value), rounding))
         assert dynamic == static_pow2_round(float(np.float32(value)), rounding)
         if rounding == "down":
-            assert dynamic <= np.float32(value) < 2 * dynamic
+            assert dynamic <= float(np.float32(value)) < 2 * dynamic
 
 
 def test_scales_cast_exactly_to_e8m0():
