@@ -50,6 +50,7 @@ class ScaledArray:
     def __post_init__(self):
         _check_data(self.data)
         _check_scale(self.scale, self.data)
+        _check_pow2_scale(self.scale)
 
     # pytree protocol
     def tree_flatten(self):
@@ -58,9 +59,14 @@ class ScaledArray:
     @classmethod
     def tree_unflatten(cls, aux, children):
         del aux
+        return cls._trusted(*children)
+
+    @classmethod
+    def _trusted(cls, data, scale) -> ScaledArray:
+        """Build without validation: for values jax_scaled itself produced."""
         obj = object.__new__(cls)
-        object.__setattr__(obj, "data", children[0])
-        object.__setattr__(obj, "scale", children[1])
+        object.__setattr__(obj, "data", data)
+        object.__setattr__(obj, "scale", scale)
         return obj
 
     # array-like properties (of the represented tensor)
@@ -97,7 +103,9 @@ class ScaledArray:
 
     def astype(self, dtype: DTypeLike) -> ScaledArray:
         """The same scaled value with data cast to ``dtype``; the scale is kept."""
-        return ScaledArray(self.data.astype(dtype), self.scale)
+        if not _is_float_dtype(dtype):
+            raise TypeError(f"ScaledArray data must have a floating dtype, got {dtype}.")
+        return ScaledArray._trusted(self.data.astype(dtype), self.scale)
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self.to_array(), dtype=dtype)
@@ -137,6 +145,23 @@ def _check_scale(scale: Any, data: Any) -> None:
         )
 
 
+def _check_pow2_scale(scale: Any) -> None:
+    """Concrete scales must be powers of two (or 0): rules rely on it for exact re-scaling.
+
+    Traced scales (inside jit or scalify) are not checked: they come from jax_scaled's own
+    constructors and rules, which only produce powers of two.
+    """
+    if isinstance(scale, jax.core.Tracer):
+        return
+    values = np.asarray(scale).astype(np.float64)
+    mantissa, _ = np.frexp(values)
+    if not np.all((values == 0) | ((values > 0) & (mantissa == 0.5))):
+        raise ValueError(
+            f"ScaledArray scale must be a positive power of two (or 0), got {values.ravel()[:4]}."
+            " Use as_scaled_array(x) (or pow2_split / pow2_round) to build one from any value."
+        )
+
+
 def is_scaled_leaf(x: Any) -> bool:
     """True for the leaves of a scaled pytree: ScaledArrays, arrays and scalars.
 
@@ -169,7 +194,9 @@ def scaled_array(data, scale, dtype: DTypeLike | None = None) -> ScaledArray:
 
 def _as_scaled_leaf(x: Any, scale, scale_dtype) -> Any:
     if isinstance(x, ScaledArray):
-        return x if scale_dtype is None else ScaledArray(x.data, x.scale.astype(scale_dtype))
+        if scale_dtype is None:
+            return x
+        return ScaledArray._trusted(x.data, x.scale.astype(scale_dtype))
     if not (_is_array_like(x) or isinstance(x, float)):
         return x
     if not _is_float_dtype(jnp.result_type(x)):
@@ -237,7 +264,7 @@ def as_scaled_array(tree: Any, scale=None, scale_dtype: DTypeLike | None = None)
         dtype = jnp.dtype(scale_dtype or jnp.float32)
         split = _split_arrays(tuple(jnp.asarray(leaves[i]) for i in convert), dtype)
         for i, (data, leaf_scale) in zip(convert, split, strict=True):
-            leaves[i] = ScaledArray(data, leaf_scale)
+            leaves[i] = ScaledArray._trusted(data, leaf_scale)
     leaves = [_as_scaled_leaf(x, scale, scale_dtype) for x in leaves]
     return jax.tree.unflatten(treedef, leaves)
 

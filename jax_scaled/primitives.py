@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
+from jax_scaled.pow2 import pow2_round
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import (
     as_scaled,
@@ -32,8 +33,9 @@ rebalance_p = jxi.Primitive("rebalance")
 def set_scaling(x, scale) -> jax.Array:
     """Give ``x`` the (power-of-two) ``scale``; its value is unchanged.
 
-    Under scalify the result is a ScaledArray with exactly this scale (a plain ``x`` becomes
-    ``ScaledArray(x / scale, scale)``). Outside scalify it returns ``x``.
+    Under scalify the result is a ScaledArray with this scale, rounded down to a power of two
+    if it is not one (a plain ``x`` becomes ``ScaledArray(x / scale, scale)``). Outside
+    scalify it returns ``x``.
 
     Example:
         >>> out = scalify(lambda x: set_scaling(x, jnp.float32(4.0)))(jnp.array([8.0]))
@@ -72,6 +74,8 @@ def stop_scaling(x, dtype=None) -> jax.Array:
 
 def rebalance(x, factor) -> jax.Array:
     """Move the power of two ``factor`` from data to scale: scale * factor, data / factor.
+
+    A ``factor`` that is not a power of two is rounded down to one.
 
     The value is unchanged; outside scalify (or on a plain array) it returns ``x``.
 
@@ -217,7 +221,7 @@ jxi.batching.primitive_batchers[stop_scaling_p] = _stop_scaling_batcher
 @register_scale_rule(set_scaling_p, applies_to_unscaled=True)
 def _set_scaling_rule(x, scale):
     scale = scale.to_array() if isinstance(scale, ScaledArray) else scale
-    target = scale.astype(jnp.float32)
+    target = pow2_round(scale.astype(jnp.float32))  # scales must be powers of two
     data = rescale(as_scaled(x).data, safe_ratio(scale_f32(x), target))
     return ScaledArray(data, make_scale(target, x))
 
@@ -237,5 +241,6 @@ def _rebalance_rule(x, factor):
     if not isinstance(x, ScaledArray):
         return x
     factor = (factor.to_array() if isinstance(factor, ScaledArray) else factor).astype(jnp.float32)
+    factor = pow2_round(factor)  # scales must stay powers of two
     data = rescale(x.data, 1 / factor)
     return ScaledArray(data, make_scale(scale_f32(x) * factor, x))

@@ -114,3 +114,18 @@ def test_all_zero_arrays_get_the_smallest_scale():
     assert float(out.scale) == 2.0**-20
     e8m0 = js.as_scaled_array(jnp.zeros(2), scale_dtype=jnp.float8_e8m0fnu)
     assert float(e8m0.scale.astype(jnp.float32)) == 2.0**-126
+
+
+def test_scales_must_be_powers_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        js.scaled_array([1.0], 0.3)
+    with pytest.raises(ValueError, match="power of two"):
+        js.as_scaled_array(jnp.ones(2), scale=3.0)
+    with pytest.raises(ValueError, match="power of two"):
+        js.ScaledArray(jnp.ones(2), jnp.float32(-2.0))
+    assert float(js.scaled_array([1.0], 0.0).scale) == 0.0  # zero is allowed
+
+
+def test_set_scaling_rounds_a_non_power_of_two_scale_down():
+    out = js.scalify(js.set_scaling)(jnp.array([3.0]), jnp.float32(3.0))
+    assert float(out.scale) == 2.0 and float(js.asarray(out)[0]) == 3.0

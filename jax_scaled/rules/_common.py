@@ -108,10 +108,12 @@ def align(*xs: Value, scale: jax.Array | None = None) -> tuple[list[jax.Array], 
     The common scale defaults to the largest input scale, so nothing overflows.
     """
     scales = [scale_f32(x) for x in xs]
+    pow2_target = scale is None  # the largest of power-of-two scales
     if scale is None:
         scale = max_scale(scales)
+    ratio = ratio_to_pow2 if pow2_target else safe_ratio
     datas = [
-        as_scaled(x).data if s is scale else rescale(as_scaled(x).data, safe_ratio(s, scale))
+        as_scaled(x).data if s is scale else rescale(as_scaled(x).data, ratio(s, scale))
         for x, s in zip(xs, scales, strict=True)
     ]
     return datas, scale
@@ -153,13 +155,12 @@ def rounded_l2_scale(*scales: jax.Array) -> jax.Array:
     relative to it by exact reciprocal multiplication, and the square root is rounded from
     the exponent of the sum of squares: every operation is cheap and fusable.
     """
-    largest = round_scale(max_scale(list(scales)))
     rounding = current_config().rounding
     if rounding is Rounding.DOWN and len(scales) <= 3:
-        # sqrt(sum s^2) lies in [M, sqrt(3) M) for at most three powers of two with maximum
-        # M: rounded down, it is M. The default rounding thus needs no arithmetic at all,
-        # which keeps compiled programs small (XLA copies scalar chains into every fusion).
-        return largest
+        # Scales are powers of two (checked at ScaledArray construction; every rule keeps
+        # it): their maximum needs no rounding.
+        return max_scale(list(scales))
+    largest = round_scale(max_scale(list(scales)))
     total = sum(lax.square(ratio_to_pow2(s, largest)) for s in scales)
     return round_scale(pow2_round_sqrt(total, rounding) * largest)
 
