@@ -191,7 +191,8 @@ def pow2_round_positive(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Arra
         >>> float(pow2_round_positive(jnp.float32(0.3))), float(pow2_round_positive(3.0, "up"))
         (0.25, 4.0)
     """
-    bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+    x = x if isinstance(x, jax.Array) and x.dtype == jnp.float32 else jnp.asarray(x, jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
     offset = _ROUNDING_OFFSET[Rounding(rounding)]
     if offset:
         bits = bits + jnp.uint32(offset)
@@ -212,7 +213,9 @@ def pow2_reciprocal(scale) -> jax.Array:
         >>> float(pow2_reciprocal(jnp.float32(0.25)))
         4.0
     """
-    bits = lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32), jnp.int32)
+    if not (isinstance(scale, jax.Array) and scale.dtype == jnp.float32):
+        scale = jnp.asarray(scale, jnp.float32)
+    bits = lax.bitcast_convert_type(scale, jnp.int32)
     # 2^e has bits (e + 127) << 23 and 2^-e has (127 - e) << 23 = (254 << 23) - bits: never a
     # subnormal pattern; 2^127 gives 0 and an infinite scale is clamped to 0 as well.
     reciprocal = lax.max(jnp.int32(254 << _MANTISSA_BITS) - bits, jnp.int32(0))

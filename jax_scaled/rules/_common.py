@@ -37,6 +37,13 @@ def compute_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(jnp.dtype(dtype), jnp.float32)
 
 
+def as_float32(x) -> jax.Array:
+    """``x`` as a float32 jax array, without a conversion (or a trace-time call) if it is one."""
+    if isinstance(x, jax.Array) and x.dtype == jnp.float32:
+        return x
+    return jnp.asarray(x, jnp.float32)
+
+
 def scale_f32(x: Value) -> jax.Array:
     """The scale of ``x`` as a float32 0-d array (1 for a plain array)."""
     if isinstance(x, ScaledArray):
@@ -61,7 +68,9 @@ def round_scale(scale: jax.Array) -> jax.Array:
 
 def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
     """Cast a float32 power-of-two ``scale`` to the scale dtype of the inputs ``like``."""
-    return jnp.asarray(scale, jnp.float32).astype(out_scale_dtype(*like))
+    scale = as_float32(scale)
+    dtype = out_scale_dtype(*like)
+    return scale if scale.dtype == dtype else lax.convert_element_type(scale, dtype)
 
 
 def sqrt_pow2(n: int) -> float:
