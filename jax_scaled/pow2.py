@@ -41,7 +41,14 @@ def _bits(x: jnp.ndarray) -> jnp.ndarray:
     return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
 
 
-def _pow2_from_exponent(exponent: jnp.ndarray) -> jnp.ndarray:
+def as_float32(x) -> jax.Array:
+    """``x`` as a float32 jax array, with no conversion (or trace-time call) if it is one."""
+    if isinstance(x, jax.Array) and x.dtype == jnp.float32:
+        return x
+    return jnp.asarray(x, jnp.float32)
+
+
+def pow2_from_exponent(exponent: jnp.ndarray) -> jnp.ndarray:
     """``2**exponent`` as float32, built from bits; exponent clipped to the normal range."""
     exponent = lax.clamp(MIN_SCALE_EXPONENT, exponent, MAX_SCALE_EXPONENT)
     biased = (exponent + _EXPONENT_BIAS).astype(jnp.uint32)
@@ -86,7 +93,7 @@ def pow2_round(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
         0.5
     """
     x = jnp.asarray(x)
-    scale = _pow2_from_exponent(pow2_exponent(x, rounding))
+    scale = pow2_from_exponent(pow2_exponent(x, rounding))
     magnitude_bits = _bits(x) & 0x7FFFFFFF  # bit test: subnormals compare equal to 0 on CPU
     finite_nonzero = (magnitude_bits != 0) & (magnitude_bits < 0x7F800000)
     return jnp.where(finite_nonzero, scale, jnp.float32(1))
@@ -191,8 +198,7 @@ def pow2_round_positive(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Arra
         >>> float(pow2_round_positive(jnp.float32(0.3))), float(pow2_round_positive(3.0, "up"))
         (0.25, 4.0)
     """
-    x = x if isinstance(x, jax.Array) and x.dtype == jnp.float32 else jnp.asarray(x, jnp.float32)
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    bits = lax.bitcast_convert_type(as_float32(x), jnp.uint32)
     offset = _ROUNDING_OFFSET[Rounding(rounding)]
     if offset:
         bits = bits + jnp.uint32(offset)
@@ -213,9 +219,7 @@ def pow2_reciprocal(scale) -> jax.Array:
         >>> float(pow2_reciprocal(jnp.float32(0.25)))
         4.0
     """
-    if not (isinstance(scale, jax.Array) and scale.dtype == jnp.float32):
-        scale = jnp.asarray(scale, jnp.float32)
-    bits = lax.bitcast_convert_type(scale, jnp.int32)
+    bits = lax.bitcast_convert_type(as_float32(scale), jnp.int32)
     # 2^e has bits (e + 127) << 23 and 2^-e has (127 - e) << 23 = (254 << 23) - bits: never a
     # subnormal pattern; 2^127 gives 0 and an infinite scale is clamped to 0 as well.
     reciprocal = lax.max(jnp.int32(254 << _MANTISSA_BITS) - bits, jnp.int32(0))
@@ -242,4 +246,4 @@ def pow2_round_sqrt(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Array:
     elif rounding is Rounding.NEAREST:
         exponent = exponent + 1
     half = lax.shift_right_arithmetic(exponent, jnp.int32(1))
-    return _pow2_from_exponent(half)
+    return pow2_from_exponent(half)

@@ -23,6 +23,7 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.pow2 import (
     Rounding,
+    as_float32,
     pow2_reciprocal,
     pow2_round_positive,
     pow2_round_sqrt,
@@ -35,13 +36,6 @@ Value = Any  # jax.Array | ScaledArray
 def compute_dtype(dtype) -> jnp.dtype:
     """The dtype rules compute in for data of ``dtype``: float32, or wider if ``dtype`` is."""
     return jnp.promote_types(jnp.dtype(dtype), jnp.float32)
-
-
-def as_float32(x) -> jax.Array:
-    """``x`` as a float32 jax array, without a conversion (or a trace-time call) if it is one."""
-    if isinstance(x, jax.Array) and x.dtype == jnp.float32:
-        return x
-    return jnp.asarray(x, jnp.float32)
 
 
 def scale_f32(x: Value) -> jax.Array:
@@ -92,7 +86,7 @@ def rescale(data: jax.Array, ratio: jax.Array) -> jax.Array:
 
 
 def safe_ratio(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-    """``numerator / denominator`` for scales, with 0/0 (two zero scales) giving 1."""
+    """``numerator / denominator`` for scales; 0/0 (two zero scales) gives 0, not NaN."""
     if numerator is denominator:
         return jnp.ones((), jnp.float32)
     # Scales are >= 2^-126 unless zero; a zero denominator means a zero numerator (the
@@ -150,15 +144,11 @@ def from_compute(value: jax.Array, scale: jax.Array, dtype, *like: Value) -> Sca
     return ScaledArray(data, make_scale(scale, *like))
 
 
-def l2_scale(*scales: jax.Array) -> jax.Array:
-    """``sqrt(sum(s**2))`` of 0-d float32 scales, computed without overflow (not rounded)."""
-    largest = max_scale(list(scales))
-    total = sum(lax.square(safe_ratio(s, largest)) for s in scales)
-    return lax.sqrt(total) * largest
-
-
 def rounded_l2_scale(*scales: jax.Array) -> jax.Array:
-    """``round_scale(l2_scale(*scales))`` for power-of-two scales, without sqrt or division.
+    """``sqrt(sum(s**2))`` of power-of-two scales, rounded to a power of two.
+
+    The unit-scaling estimate for a sum of independent terms, computed without sqrt or
+    division.
 
     The largest scale is rounded first (a no-op for powers of two), the others are expressed
     relative to it by exact reciprocal multiplication, and the square root is rounded from

@@ -10,7 +10,7 @@ from jax import lax
 
 from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
-from jax_scaled.pow2 import pow2_exponent
+from jax_scaled.pow2 import pow2_exponent, pow2_from_exponent
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import (
     Value,
@@ -171,17 +171,11 @@ def _wide(x: ScaledArray) -> jax.Array:
     return x.data.astype(compute_dtype(x.dtype))
 
 
-def _exp2(exponent: jax.Array) -> jax.Array:
-    """``2**exponent`` (int32, clipped to [-126, 127]) as an exact float32, built from bits."""
-    biased = (jnp.clip(exponent, -126, 127) + 127).astype(jnp.uint32)
-    return lax.bitcast_convert_type(biased << 23, jnp.float32)
-
-
 def _root_split(x: ScaledArray, n: int) -> tuple[jax.Array, jax.Array]:
     """``(d * 2^r, k)`` in the compute dtype with ``s = 2^(n*k + r)``, ``0 <= r < n``."""
     exponent = pow2_exponent(scale_f32(x))
     k = jnp.floor_divide(exponent, n)
-    return _wide(x) * _exp2(exponent - n * k).astype(compute_dtype(x.dtype)), k
+    return _wide(x) * pow2_from_exponent(exponent - n * k).astype(compute_dtype(x.dtype)), k
 
 
 @register_scale_rule(lax.integer_pow_p)
@@ -201,21 +195,21 @@ def square_rule(x: ScaledArray, **params) -> ScaledArray:
 def sqrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(2k+r) gives scale 2^k, data sqrt(d * 2^r)."""
     data, k = _root_split(x, 2)
-    return ScaledArray(lax.sqrt(data).astype(x.dtype), make_scale(_exp2(k), x))
+    return ScaledArray(lax.sqrt(data).astype(x.dtype), make_scale(pow2_from_exponent(k), x))
 
 
 @register_scale_rule(lax.rsqrt_p)
 def rsqrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(2k+r) gives scale 2^-k, data rsqrt(d * 2^r)."""
     data, k = _root_split(x, 2)
-    return ScaledArray(lax.rsqrt(data).astype(x.dtype), make_scale(_exp2(-k), x))
+    return ScaledArray(lax.rsqrt(data).astype(x.dtype), make_scale(pow2_from_exponent(-k), x))
 
 
 @register_scale_rule(lax.cbrt_p)
 def cbrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(3k+r) gives scale 2^k, data cbrt(d * 2^r)."""
     data, k = _root_split(x, 3)
-    return ScaledArray(lax.cbrt(data).astype(x.dtype), make_scale(_exp2(k), x))
+    return ScaledArray(lax.cbrt(data).astype(x.dtype), make_scale(pow2_from_exponent(k), x))
 
 
 # ---------------------------------------------------------------------------------------

@@ -28,9 +28,8 @@ from jax_scaled.rules._common import (
     align,
     as_scaled,
     compute_dtype,
-    l2_scale,
     make_scale,
-    round_scale,
+    rounded_l2_scale,
     scale_f32,
     to_compute,
     wide_data,
@@ -82,7 +81,7 @@ def _register_aligned_scatter(primitive, estimate) -> None:
 _register_aligned_scatter(lax.scatter_p, jnp.maximum)
 _register_aligned_scatter(lax.scatter_min_p, jnp.maximum)
 _register_aligned_scatter(lax.scatter_max_p, jnp.maximum)
-_register_aligned_scatter(lax.scatter_add_p, lambda so, su: round_scale(l2_scale(so, su)))
+_register_aligned_scatter(lax.scatter_add_p, rounded_l2_scale)
 
 
 @register_scale_rule(lax.scatter_mul_p)

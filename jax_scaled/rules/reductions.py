@@ -15,7 +15,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_scaled.array import ScaledArray
-from jax_scaled.pow2 import MAX_SCALE_EXPONENT, MIN_SCALE_EXPONENT, pow2_exponent
+from jax_scaled.pow2 import (
+    MAX_SCALE_EXPONENT,
+    MIN_SCALE_EXPONENT,
+    pow2_exponent,
+    pow2_from_exponent,
+)
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import (
     compute_dtype,
@@ -39,16 +44,14 @@ def _sum_like(x: ScaledArray, total: jax.Array, n: int) -> ScaledArray:
     return ScaledArray(data, make_scale(scale_f32(x) * jnp.float32(sqrt_n), x))
 
 
-def _exp2(exponent: jax.Array) -> jax.Array:
-    """``2**exponent`` (int32) as float32, built from bits, clipped to the normal range."""
-    exponent = jnp.clip(exponent, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
-    return lax.bitcast_convert_type((exponent + 127).astype(jnp.uint32) << 23, jnp.float32)
-
-
 def _times_pow2(x: jax.Array, exponent: jax.Array) -> jax.Array:
     """``x * 2**exponent``, exact while the result is in range (|exponent| up to 252)."""
     half = exponent // 2
-    return x * _exp2(half).astype(x.dtype) * _exp2(exponent - half).astype(x.dtype)
+    return (
+        x
+        * pow2_from_exponent(half).astype(x.dtype)
+        * pow2_from_exponent(exponent - half).astype(x.dtype)
+    )
 
 
 @register_scale_rule(lax.reduce_sum_p)
@@ -82,7 +85,7 @@ def reduce_prod_rule(x: ScaledArray, *, axes: tuple[int, ...], **params) -> Scal
     out_exp = jnp.clip(total_exp, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
     prod = lax.reduce_prod_p.bind(x.data.astype(wide), axes=axes, **params)
     data = _times_pow2(prod, total_exp - out_exp).astype(x.dtype)
-    return ScaledArray(data, make_scale(_exp2(out_exp), x))
+    return ScaledArray(data, make_scale(pow2_from_exponent(out_exp), x))
 
 
 @register_scale_rule(lax.argmax_p)
@@ -120,7 +123,7 @@ def cumprod_rule(x: ScaledArray, *, axis: int, reverse: bool) -> ScaledArray:
     counts = n + 1 - counts if reverse else counts
     prod = lax.cumprod_p.bind(x.data.astype(wide), axis=axis, reverse=reverse)
     data = _times_pow2(prod, exponent * counts - out_exp).astype(x.dtype)
-    return ScaledArray(data, make_scale(_exp2(out_exp), x))
+    return ScaledArray(data, make_scale(pow2_from_exponent(out_exp), x))
 
 
 @register_scale_rule(lax.cummax_p)
