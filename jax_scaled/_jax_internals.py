@@ -9,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import os
 
-from jax._src import source_info_util
+from jax._src import ad_checkpoint, source_info_util
+from jax._src import core as _core
+from jax._src import shard_map as _shard_map
+from jax._src.lax import parallel as _parallel
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.lax import lax as _lax_impl
 from jax.extend import core as jex_core
@@ -28,6 +31,31 @@ custom_jvp_call_p = lax_primitives.custom_jvp_call_p
 custom_vjp_call_p = lax_primitives.custom_vjp_call_p
 closed_call_p = lax_primitives.closed_call_p
 split_p = getattr(_lax_impl, "split_p", None)
+
+# Control flow and memory.
+scan_p = lax_primitives.scan_p
+while_p = lax_primitives.while_p
+cond_p = lax_primitives.cond_p
+remat_p = ad_checkpoint.remat_p
+sharding_constraint_p = lax_primitives.sharding_constraint_p
+device_put_p = lax_primitives.device_put_p
+
+# Multi-device: shard_map and collectives (names as of JAX 0.10).
+shard_map_p = _shard_map.shard_map_p
+psum_p = _parallel.psum_p
+pmax_p = _parallel.pmax_p
+pmin_p = _parallel.pmin_p
+all_gather_p = _parallel.all_gather_p
+all_gather_invariant_p = getattr(_parallel, "all_gather_invariant_p", None)
+psum_invariant_p = getattr(_parallel, "psum_invariant_p", None)
+reduce_scatter_p = _parallel.reduce_scatter_p
+ppermute_p = _parallel.ppermute_p
+all_to_all_p = _parallel.all_to_all_p
+pbroadcast_p = getattr(_parallel, "pbroadcast_p", None)
+axis_index_p = _parallel.axis_index_p
+
+# Helpers for writing higher-order primitives.
+jaxpr_as_fun = _core.jaxpr_as_fun
 NOT_MAPPED = getattr(batching, "not_mapped", None)  # None in recent JAX
 
 # Frames inside jax_scaled are library frames: source locations point at the user's code.
@@ -52,6 +80,25 @@ __all__ = [
     "eqn_user_context",
     "is_unspecified_sharding",
     "jit_p",
+    "jaxpr_as_fun",
+    "scan_p",
+    "while_p",
+    "cond_p",
+    "remat_p",
+    "sharding_constraint_p",
+    "device_put_p",
+    "shard_map_p",
+    "psum_p",
+    "pmax_p",
+    "pmin_p",
+    "all_gather_p",
+    "all_gather_invariant_p",
+    "psum_invariant_p",
+    "reduce_scatter_p",
+    "ppermute_p",
+    "all_to_all_p",
+    "pbroadcast_p",
+    "axis_index_p",
     "lax_primitives",
     "mlir",
     "split_p",

@@ -1,0 +1,1 @@
+"""Scale-aware neural-network building blocks: FP8-aware linear, activations, norms."""

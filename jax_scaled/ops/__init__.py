@@ -1,0 +1,1 @@
+"""Scaling operations: dynamic rescaling, casts and delayed scaling (identities outside scalify)."""
