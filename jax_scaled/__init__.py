@@ -9,9 +9,11 @@ Example:
 """
 
 from jax_scaled import rules as _rules  # noqa: F401  (registers the scale rules)
-from jax_scaled import tree
+from jax_scaled import nn, tree
+from jax_scaled.any_scale import ANY_SCALE
 from jax_scaled.array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from jax_scaled.config import ScalifyConfig, current_config
+from jax_scaled.custom_scale import custom_scale
 from jax_scaled.interpreter import scalify
 from jax_scaled.pow2 import Rounding, pow2_round, pow2_split
 from jax_scaled.primitives import get_data_and_scale, rebalance, set_scaling, stop_scaling
@@ -20,14 +22,17 @@ from jax_scaled.registry import register_scale_rule, registered_primitives
 __version__ = "0.1.0"
 
 __all__ = [
+    "ANY_SCALE",
     "Rounding",
     "ScaledArray",
     "ScalifyConfig",
     "as_scaled_array",
     "asarray",
     "current_config",
+    "custom_scale",
     "get_data_and_scale",
     "is_scaled_leaf",
+    "nn",
     "pow2_round",
     "pow2_split",
     "rebalance",

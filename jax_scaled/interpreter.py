@@ -22,6 +22,7 @@ import numpy as np
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled import estimates
+from jax_scaled.any_scale import AnyScaleValue
 from jax_scaled.array import ScaledArray, _is_array_like
 from jax_scaled.config import ScalifyConfig, current_config
 from jax_scaled.pow2 import pow2_split, static_pow2_split
@@ -39,16 +40,26 @@ class Slot:
     a folded constant). ``base`` is the 0-d array the value is a broadcast of, when known.
     ``estimate`` is a static power-of-two estimate of a plain value's magnitude (see
     :mod:`jax_scaled.estimates`), used to scale it if it meets a ScaledArray.
+    ``any_scale`` says the value does not depend on its scale (:data:`ANY_SCALE`: zeros,
+    infinities, NaNs and selections among them), so it takes the scale of what it meets.
     """
 
     value: Value
     constant: float | None = None
     base: jax.Array | None = None
     estimate: float | None = None
+    any_scale: bool = False
 
     @property
     def is_scaled(self) -> bool:
         return isinstance(self.value, ScaledArray)
+
+    @property
+    def is_any_scale(self) -> bool:
+        """True for scale-independent values: marked ones, and constants 0, ±inf, NaN."""
+        if self.any_scale or self.constant is None:
+            return self.any_scale
+        return self.constant == 0 or not math.isfinite(self.constant)
 
 
 # Plain shape-only primitives through which "broadcast of a scalar" facts survive.
@@ -173,7 +184,8 @@ def _source_line(eqn: jxi.JaxprEqn) -> str:
 def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     """Interpret one equation: forward it, recurse into it, or apply its scale rule."""
     if not any(s.is_scaled for s in in_slots) and not applies_to_unscaled(eqn.primitive):
-        return _forward(eqn, in_slots)
+        if not _needs_facts_inside(eqn, in_slots):
+            return _forward(eqn, in_slots)
     higher_order = _HIGHER_ORDER_RULES.get(eqn.primitive)
     if higher_order is not None:
         _enclosing_source_lines.append(_source_line(eqn))
@@ -192,9 +204,24 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     invals = _promote_inputs(in_slots)
     with jxi.eqn_user_context(eqn):
         outs = rule(*invals, **eqn.params)
+    return _rule_output_slots(eqn, outs)
+
+
+def _rule_output_slots(eqn: jxi.JaxprEqn, outs: Any) -> list[Slot]:
+    """Slots of a rule's outputs; outputs wrapped with ``ANY_SCALE(x)`` become scale-free."""
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
+    any_scale = [isinstance(v, AnyScaleValue) for v in outs]
+    outs = [v.value if isinstance(v, AnyScaleValue) else v for v in outs]
     _check_rule_outputs(eqn, outs)
-    return [Slot(v) for v in outs]
+    return [Slot(v, any_scale=a) for v, a in zip(outs, any_scale, strict=True)]
+
+
+def _needs_facts_inside(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> bool:
+    """A plain ``jit`` fed scale-free or constant values is interpreted, not forwarded, so
+    that facts its body derives (e.g. a ``-inf`` mask from ``jnp.where``) reach its outputs."""
+    if eqn.primitive is not jxi.jit_p:
+        return False
+    return any(s.is_any_scale or s.constant is not None for s in in_slots)
 
 
 def _forward(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
@@ -203,6 +230,8 @@ def _forward(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
         outs = eqn.primitive.bind(*subfuns, *[s.value for s in in_slots], **params)
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
     out_slots = _forwarded_facts(eqn, in_slots, outs)
+    if _keeps_any_scale(eqn, in_slots) and not out_slots[0].is_any_scale:
+        out_slots[0] = dataclasses.replace(out_slots[0], any_scale=True)
     if len(out_slots) == 1 and jnp.issubdtype(out_slots[0].value.dtype, jnp.floating):
         constant = out_slots[0].constant
         if constant is not None:
@@ -246,6 +275,24 @@ _ELEMENTWISE = {
     "neg", "add", "sub", "mul", "div", "max", "min", "abs", "sign", "exp", "exp2", "log",
     "log1p", "expm1", "sqrt", "rsqrt", "square", "integer_pow", "pow", "tanh", "logistic",
 }  # fmt: skip
+
+
+# Float primitives whose output is scale-independent when their float inputs all are (a
+# selection, reshuffle or combination of zeros, infinities and NaNs is still one).
+_ANY_SCALE_PRESERVING = _FACT_PRESERVING | {
+    "neg", "add", "sub", "mul", "max", "min", "abs", "select_n", "concatenate", "transpose",
+    "slice", "dynamic_slice", "gather", "rev", "pad", "convert_element_type", "reduce_max",
+    "reduce_min", "squeeze", "broadcast_in_dim", "clamp",
+}  # fmt: skip
+
+
+def _keeps_any_scale(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> bool:
+    if eqn.primitive.name not in _ANY_SCALE_PRESERVING or len(eqn.outvars) != 1:
+        return False
+    if not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
+        return False
+    floats = [s for s in in_slots if jnp.issubdtype(s.value.dtype, jnp.floating)]
+    return bool(floats) and all(s.is_any_scale for s in floats)
 
 
 def _has_fact(slot: Slot) -> bool:
@@ -322,16 +369,18 @@ def _promote_inputs(in_slots: list[Slot]) -> list[Value]:
 def _promote(slot: Slot, reference_scale: jax.Array) -> Value:
     value = slot.value
     no_facts = slot.base is None and slot.constant is None and slot.estimate is None
+    no_facts = no_facts and not slot.any_scale
     if slot.is_scaled or no_facts or not jnp.issubdtype(value.dtype, jnp.floating):
         return value
     scale_dtype = current_config().scale_dtype or reference_scale.dtype
-    if slot.constant is not None and (slot.constant == 0 or not math.isfinite(slot.constant)):
+    if slot.is_any_scale:
         # Zeros, infinities and NaNs are the same at any scale: take the other operand's.
         return ScaledArray(jnp.asarray(value), reference_scale)
     if slot.constant is not None:
         mantissa, scale = static_pow2_split(slot.constant)
         data = jnp.full(value.shape, mantissa, value.dtype)
-        return ScaledArray(data, jnp.asarray(scale, jnp.float32).astype(scale_dtype))
+        # A numpy (static) scale tells rules this operand is a trace-time constant.
+        return ScaledArray(data, np.asarray(scale, np.float32).astype(scale_dtype))
     if slot.base is not None:
         mantissa, scale = pow2_split(jnp.asarray(slot.base))
         data = jnp.broadcast_to(mantissa.astype(value.dtype), value.shape)
@@ -387,14 +436,19 @@ register_higher_order_rule(jxi.closed_call_p)(_inline_call("call_jaxpr"))
 def _jit_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     """Re-bind a nested ``jit`` through ``jax.jit``, keeping its name, donation and shardings."""
     params = eqn.params
-    static_facts = [(s.constant, s.estimate) for s in in_slots]
+    static_facts = [(s.constant, s.estimate, s.any_scale) for s in in_slots]
+
+    out_facts: list[list[dict]] = []
 
     def body(*values):
         slots = [
-            Slot(v, constant=c, estimate=e) if (c, e) != (None, None) else _constant_slot(v)
-            for v, (c, e) in zip(values, static_facts, strict=True)
-        ]
-        return [s.value for s in _interpret_closed(params["jaxpr"], slots)]
+            Slot(v, constant=c, estimate=e, any_scale=a) if (c, e, a) != (None, None, False)
+            else _constant_slot(v)
+            for v, (c, e, a) in zip(values, static_facts, strict=True)
+        ]  # fmt: skip
+        out_slots = _interpret_closed(params["jaxpr"], slots)
+        out_facts.append([_static_facts(s) for s in out_slots])
+        return [s.value for s in out_slots]
 
     body.__name__ = body.__qualname__ = params["name"]
     values = [s.value for s in in_slots]
@@ -405,7 +459,16 @@ def _jit_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     )
     jit_kwargs.update(_jit_shardings(params, body, values))
     outs = jax.jit(body, **jit_kwargs)(*values)
-    return [_plain_slot(v) if not isinstance(v, ScaledArray) else Slot(v) for v in outs]
+    facts = out_facts[-1] if out_facts else [{} for _ in outs]  # none when jit's cache hit
+    return [
+        Slot(v, **f) if isinstance(v, ScaledArray) else dataclasses.replace(_plain_slot(v), **f)
+        for v, f in zip(outs, facts, strict=True)
+    ]
+
+
+def _static_facts(slot: Slot) -> dict:
+    """The trace-time (Python-level) facts of a slot, which may leave a nested trace."""
+    return {"constant": slot.constant, "estimate": slot.estimate, "any_scale": slot.any_scale}
 
 
 def _jit_shardings(params: dict, body: Callable, values: list[Value]) -> dict:

@@ -1,1 +1,31 @@
-"""Scale-aware neural-network building blocks: FP8-aware linear, activations, norms."""
+"""Scale-aware neural-network building blocks: FP8-aware linear, activations, norms, softmax.
+
+Each function computes the same values as its ``jax.nn`` counterpart outside scalify; under
+scalify it brings its own scale rule (:func:`jax_scaled.custom_scale`) instead of relying on
+automatic propagation through its body.
+"""
+
+from jax_scaled.nn.activations import elu, gelu, leaky_relu, relu, silu, softplus, swish
+from jax_scaled.nn.normalization import layer_norm, rms_norm
+from jax_scaled.nn.softmax import (
+    dot_product_attention,
+    log_softmax,
+    softmax,
+    softmax_cross_entropy,
+)
+
+__all__ = [
+    "dot_product_attention",
+    "elu",
+    "gelu",
+    "layer_norm",
+    "leaky_relu",
+    "log_softmax",
+    "relu",
+    "rms_norm",
+    "silu",
+    "softmax",
+    "softmax_cross_entropy",
+    "softplus",
+    "swish",
+]

@@ -172,5 +172,8 @@ def wide_data(x: Value, scale: jax.Array, *, pow2_target: bool = False) -> jax.A
     """
     x = as_scaled(x)
     wide = compute_dtype(x.dtype)
+    own_scale = scale_f32(x)
+    if own_scale is scale:
+        return x.data.astype(wide)
     ratio = ratio_to_pow2 if pow2_target else safe_ratio
-    return x.data.astype(wide) * ratio(scale_f32(x), scale).astype(wide)
+    return x.data.astype(wide) * ratio(own_scale, scale).astype(wide)

@@ -1,0 +1,158 @@
+"""js.nn: same values as jax.nn outside scalify; accurate scale rules inside it."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jax_scaled as js
+from tests.helpers import assert_close, assert_pow2_scales, random_data, reference64
+
+MASK = jnp.tril(jnp.ones((4, 8), bool))
+
+
+def _layer_norm_ref(x, eps=1e-6):
+    mean = jnp.mean(x, -1, keepdims=True)
+    return (x - mean) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + eps)
+
+
+def _rms_norm_ref(x, eps=1e-6):
+    return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps)
+
+
+# (js.nn function, jax reference)
+PAIRS = {
+    "relu": (js.nn.relu, jax.nn.relu),
+    "gelu_exact": (functools.partial(js.nn.gelu, approximate=False),
+                   functools.partial(jax.nn.gelu, approximate=False)),
+    "gelu_tanh": (js.nn.gelu, jax.nn.gelu),
+    "silu": (js.nn.silu, jax.nn.silu),
+    "swish": (js.nn.swish, jax.nn.swish),
+    "softplus": (js.nn.softplus, jax.nn.softplus),
+    "elu": (js.nn.elu, jax.nn.elu),
+    "leaky_relu": (functools.partial(js.nn.leaky_relu, negative_slope=0.1),
+                   functools.partial(jax.nn.leaky_relu, negative_slope=0.1)),
+    "layer_norm": (js.nn.layer_norm, _layer_norm_ref),
+    "rms_norm": (js.nn.rms_norm, _rms_norm_ref),
+    "softmax": (js.nn.softmax, jax.nn.softmax),
+    "log_softmax": (js.nn.log_softmax, jax.nn.log_softmax),
+    "masked_softmax": (functools.partial(js.nn.softmax, where=MASK),
+                       functools.partial(jax.nn.softmax, where=MASK)),
+    "masked_log_softmax": (functools.partial(js.nn.log_softmax, where=MASK),
+                           functools.partial(jax.nn.log_softmax, where=MASK)),
+}  # fmt: skip
+
+
+def _x(dtype=jnp.float32, seed=0):
+    return jnp.asarray(random_data(seed, (4, 8), dtype))
+
+
+def _finite_close(got, want, rtol, atol):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_same_values_and_gradients_as_jax_nn_outside_scalify(name):
+    ours, theirs = PAIRS[name]
+    x, w = _x(), _x(seed=1)
+    _finite_close(ours(x), theirs(x), rtol=1e-5, atol=1e-6)
+
+    def loss(f):
+        return lambda x: jnp.sum(jnp.where(jnp.isfinite(f(x)), f(x) * w, 0))
+
+    _finite_close(jax.grad(loss(ours))(x), jax.grad(loss(theirs))(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_float32_model_invariance_under_scalify(name):
+    ours, _ = PAIRS[name]
+    x, w = _x(), _x(seed=1)
+
+    def loss(x):
+        y = ours(x)
+        return jnp.sum(jnp.where(jnp.isfinite(y), y * w, 0))
+
+    got = jax.jit(js.scalify(ours))(js.as_scaled_array(x))
+    assert_pow2_scales(got)
+    _finite_close(js.asarray(got), ours(x), rtol=1e-5, atol=1e-6)
+    grad = jax.jit(js.scalify(jax.grad(loss)))(js.as_scaled_array(x))
+    _finite_close(js.asarray(grad), jax.grad(loss)(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+@given(exponent=st.integers(-24, 24), seed=st.integers(0, 2**16))
+def test_float16_rules_are_accurate_at_any_scale(name, exponent, seed):
+    ours, theirs = PAIRS[name]
+    x = js.scaled_array(_x(jnp.float16, seed), 2.0**exponent)
+    out = jax.jit(js.scalify(ours))(x)
+    assert isinstance(out, js.ScaledArray) and out.dtype == jnp.float16
+    assert_pow2_scales(out)
+    assert_close(out, reference64(theirs, x), jnp.float16, ulps=8, normwise=True)
+
+
+def test_masked_softmax_rows_ignore_masked_entries_at_tiny_scale():
+    x = js.scaled_array(_x(jnp.float16), 2.0**-20)
+    out = js.asarray(js.scalify(lambda x: js.nn.softmax(x, where=MASK))(x))
+    np.testing.assert_array_equal(np.asarray(out)[~np.asarray(MASK)], 0)
+    np.testing.assert_allclose(np.sum(np.asarray(out, np.float64), -1), 1, rtol=1e-2)
+
+
+def test_softmax_cross_entropy_matches_optax_style_reference_and_gradient():
+    logits, labels = _x(), jax.nn.one_hot(jnp.arange(4) % 8, 8)
+
+    def reference(logits):
+        return jnp.mean(-jnp.sum(labels * jax.nn.log_softmax(logits), -1))
+
+    def ours(logits):
+        return jnp.mean(js.nn.softmax_cross_entropy(logits, labels))
+
+    np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(ours)(logits), jax.grad(reference)(logits), rtol=1e-5)
+    grad = jax.jit(js.scalify(jax.grad(ours)))(js.as_scaled_array(logits))
+    np.testing.assert_allclose(js.asarray(grad), jax.grad(reference)(logits), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("batch,classes", [(64, 16), (256, 1024)])
+def test_softmax_cross_entropy_gradient_is_unit_scaled(batch, classes):
+    logits = jax.random.normal(jax.random.PRNGKey(0), (batch, classes))
+    labels = jax.nn.one_hot(jnp.arange(batch) % classes, classes)
+
+    def loss(logits):
+        return jnp.mean(js.nn.softmax_cross_entropy(logits, labels))
+
+    scaled = js.tree.astype(js.as_scaled_array(logits), jnp.float16)
+    grad = jax.jit(js.scalify(jax.grad(loss)))(scaled)
+    rms = float(jnp.sqrt(jnp.mean(jnp.square(grad.data.astype(jnp.float32)))))
+    assert 0.5 <= rms <= 2, rms
+    want = jax.grad(loss)(scaled.to_array(jnp.float32))
+    atol = 1e-3 * float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(js.asarray(grad, jnp.float32), want, rtol=2e-2, atol=atol)
+
+
+@pytest.mark.parametrize("exponent", [-20, 0, 20])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_dot_product_attention_matches_jax_nn(exponent, is_causal):
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (2, 8, 2, 16)) for key in keys)
+    mask = jax.random.bernoulli(keys[0], 0.8, (2, 2, 8, 8)).at[..., 0].set(True)
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+    got = js.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    def scaled(x):
+        return js.scaled_array(x.astype(jnp.float16), 2.0**exponent)
+
+    def attention(q, k, v):
+        return js.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+
+    out = jax.jit(js.scalify(attention))(scaled(q), scaled(k), scaled(v))
+    want64 = reference64(attention, scaled(q), scaled(k), scaled(v))
+    assert np.all(np.isfinite(js.asarray(out, jnp.float32)))
+    assert_close(out, want64, jnp.float16, ulps=16, normwise=True)
