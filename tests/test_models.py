@@ -160,3 +160,33 @@ def test_as_scaled_array_puts_data_near_unit_scale():
     scaled_w = js.as_scaled_array(w)
     assert float(scaled_w.scale) == 2.0**-7
     np.testing.assert_array_equal(js.asarray(scaled_w), w)
+
+
+def _nn_mlp_loss(params, x, labels):
+    """An MLP built from js.nn (custom scale rules) and jax.nn (automatic propagation)."""
+    h = x
+    for i, layer in enumerate(params[:-1]):
+        h = js.nn.layer_norm(h @ layer["w"] + layer["b"])
+        h = js.nn.gelu(h) if i % 2 == 0 else jax.nn.silu(h)
+    logits = h @ params[-1]["w"] + params[-1]["b"]
+    return jnp.mean(js.nn.softmax_cross_entropy(logits, jax.nn.one_hot(labels, 10)))
+
+
+@pytest.mark.parametrize("loss_fn", [mlp_loss, _nn_mlp_loss], ids=["jax_nn", "js_nn"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_e8m0_scales_give_bit_identical_mlp_gradients(loss_fn, dtype):
+    """E8M0 scales end to end: every scale stays E8M0 and the values match float32 scales."""
+    params = init_mlp(jax.random.key(9))
+    x, labels = mlp_batch(jax.random.key(10))
+    grad_fn = jax.jit(js.scalify(jax.value_and_grad(loss_fn)))
+
+    def scaled(tree, scale_dtype):
+        return js.tree.astype(js.as_scaled_array(tree, scale_dtype=scale_dtype), dtype)
+
+    loss32, grads32 = grad_fn(scaled(params, jnp.float32), scaled(x, jnp.float32), labels)
+    with js.ScalifyConfig(scale_dtype=jnp.float8_e8m0fnu):
+        e8m0 = jnp.float8_e8m0fnu
+        loss8, grads8 = grad_fn(scaled(params, e8m0), scaled(x, e8m0), labels)
+    for a, b in zip(js.tree.tree_leaves((loss32, grads32)), js.tree.tree_leaves((loss8, grads8))):
+        assert isinstance(b, js.ScaledArray) and b.scale.dtype == e8m0, b
+        np.testing.assert_array_equal(value64(a), value64(b))

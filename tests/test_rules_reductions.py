@@ -107,15 +107,25 @@ def test_cumprod_small_axis_is_exact(dtype, data):
     shape = data.draw(shapes(max_side=5))
     axis = data.draw(st.integers(0, len(shape) - 1))
     reverse = data.draw(st.booleans())
-    # Prefix values span s^1..s^N around the output scale s^ceil(N/2): keep them in range.
+    # Prefix values span s^1..s^N around the output scale ~s^((N+1)/2): keep them in range.
     x = data.draw(scaled_arrays(shape, dtype, min_exp=-4, max_exp=4, low=0.5, high=2.0))
     out = check_scaled(lambda x: lax.cumprod(x, axis, reverse=reverse), [x], dtype, ulps=1)
-    assert float(out.scale) == float(x.scale) ** ((shape[axis] + 1) // 2)
+    exponent = int(np.log2(float(x.scale)))
+    assert float(out.scale) == 2.0 ** ((exponent * (shape[axis] + 1)) // 2)
 
 
 def test_cumprod_float32_wide_scales():
     x = js.ScaledArray(jnp.asarray([1.5, -0.75, 1.25, 1.0, 0.5], jnp.float32), jnp.float32(2.0**20))
     check_scaled(lambda x: jnp.cumprod(x), [x], jnp.float32, ulps=1)
+
+
+@pytest.mark.parametrize("scale", [2.0**-20, 2.0**20])
+def test_cumprod_two_float16_prefixes_fit_around_the_middle_scale(scale):
+    """Prefixes s and s^2 sit at 2^±10 around the output scale s^1.5: both normal float16."""
+    data = jnp.asarray([[1.5, -0.75], [0.3, 1.7], [-1.1, 0.9]], jnp.float16)
+    x = js.ScaledArray(data, jnp.float32(scale))
+    out = check_scaled(lambda x: jnp.cumprod(x, axis=1), [x], jnp.float16, ulps=1)
+    assert float(out.scale) == scale**1.5  # 2^-30 or 2^30
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

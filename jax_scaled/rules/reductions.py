@@ -56,9 +56,14 @@ def _times_pow2(x: jax.Array, exponent: jax.Array) -> jax.Array:
 
 @register_scale_rule(lax.reduce_sum_p)
 def reduce_sum_rule(x: ScaledArray, *, axes: tuple[int, ...], **params) -> ScaledArray:
-    """Scale ``s * sqrt(N)``; data summed in its own dtype, then divided by ``sqrt(N)``."""
-    total = lax.reduce_sum_p.bind(x.data, axes=axes, **params)
-    return _sum_like(x, total, math.prod(x.shape[a] for a in axes))
+    """Scale ``s * sqrt(N)``; data summed in float32 (or wider), divided by ``sqrt(N)``.
+
+    Accumulating narrow data in float32 is more accurate, and it makes the result
+    independent of how XLA fuses the reduction (float16 accumulation order varies).
+    """
+    wide = lax.reduce_sum_p.bind(x.data.astype(compute_dtype(x.dtype)), axes=axes, **params)
+    out = _sum_like(x, wide, math.prod(x.shape[a] for a in axes))
+    return ScaledArray(out.data.astype(x.dtype), out.scale)
 
 
 @register_scale_rule(lax.reduce_max_p)
@@ -109,16 +114,18 @@ def cumsum_rule(x: ScaledArray, *, axis: int, reverse: bool) -> ScaledArray:
 
 @register_scale_rule(lax.cumprod_p)
 def cumprod_rule(x: ScaledArray, *, axis: int, reverse: bool) -> ScaledArray:
-    """Scale ``s**ceil(N/2)``, the middle of the prefix scales ``s**k`` (k = 1..N).
+    """Scale ``2^floor(e (N+1) / 2)`` for ``s = 2^e``: the geometric middle of the prefix
+    scales ``s**k`` (k = 1..N), so the first and last prefixes are equally far from it.
 
-    Position ``k`` holds ``prod(data[:k]) * s**(k - ceil(N/2))`` computed in float32, exact
-    while that fits the data dtype: for short axes and moderate scales. No static estimate
-    suits long products (the data of a product drifts geometrically).
+    Position ``k`` holds ``prod(data[:k]) * s**k / scale`` computed in float32, exact while
+    that fits the data dtype: the prefix magnitudes span ``s**(N-1)``, so for short axes and
+    moderate scales (two float16 prefixes at ``s = 2^±20``). No per-tensor scale suits long
+    products (the data of a product drifts geometrically).
     """
     n = x.shape[axis]
     wide = compute_dtype(x.dtype)
     exponent = pow2_exponent(scale_f32(x))
-    out_exp = jnp.clip(exponent * ((n + 1) // 2), MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
+    out_exp = jnp.clip((exponent * (n + 1)) // 2, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
     counts = lax.broadcasted_iota(jnp.int32, x.shape, axis) + 1
     counts = n + 1 - counts if reverse else counts
     prod = lax.cumprod_p.bind(x.data.astype(wide), axis=axis, reverse=reverse)
