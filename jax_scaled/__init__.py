@@ -9,7 +9,7 @@ Example:
 """
 
 from jax_scaled import rules as _rules  # noqa: F401  (registers the scale rules)
-from jax_scaled import nn, tree
+from jax_scaled import nn, ops, tree
 from jax_scaled.any_scale import ANY_SCALE
 from jax_scaled.array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from jax_scaled.config import ScalifyConfig, current_config
@@ -33,6 +33,7 @@ __all__ = [
     "get_data_and_scale",
     "is_scaled_leaf",
     "nn",
+    "ops",
     "pow2_round",
     "pow2_split",
     "rebalance",

@@ -6,6 +6,7 @@ automatic propagation through its body.
 """
 
 from jax_scaled.nn.activations import elu, gelu, leaky_relu, relu, silu, softplus, swish
+from jax_scaled.nn.linear import linear
 from jax_scaled.nn.normalization import layer_norm, rms_norm
 from jax_scaled.nn.softmax import (
     dot_product_attention,
@@ -20,6 +21,7 @@ __all__ = [
     "gelu",
     "layer_norm",
     "leaky_relu",
+    "linear",
     "log_softmax",
     "relu",
     "rms_norm",

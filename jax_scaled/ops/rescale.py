@@ -1,0 +1,220 @@
+"""Dynamic rescaling: re-centre a ScaledArray's data on unit scale from its statistics.
+
+Scale rules estimate output scales statically (unit-scaling assumptions); a tensor whose
+statistics drift away from them can be re-centred explicitly, where the user asks for it
+(scalify paper §3.3, Algorithm 4). Three statistics of the *data* are offered:
+
+* ``l1``: the mean absolute value;
+* ``l2``: the root mean square (the unit-scaling statistic);
+* ``max``: the largest absolute value (the shared exponent of an MX block: with the default
+  rounding the data's largest magnitude lands in ``[1, 2)``).
+
+The statistic is rounded to a power of two with the configured rounding (``ScalifyConfig``;
+default down) and moved from the data into the scale: the value is unchanged (exactly, the
+factor being a power of two, unless data leaves its format's normal range), the new scale is
+a power of two, and the statistic of the new data lands in ``[1, 2)`` (rounding down),
+``(1/2, 1]`` (up) or ``[1/√2, √2)`` (nearest). All-zero or non-finite data is left as is; a
+scale that would leave ``[2^-126, 2^127]`` is clamped to it (the data keeps the remainder).
+
+Each operation is one primitive, ``dynamic_rescale[norm=...]``, whose implementation is the
+identity: outside scalify (and on plain arrays inside it, which stay plain) it lowers to no
+operation at all. Its derivative is the identity too. The ``*_grad`` variants are identities
+on the forward pass and rescale the cotangent on the backward pass (a ``jax.custom_vjp``):
+trace ``jax.grad`` inside ``scalify`` for them to see scaled cotangents.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_scaled import _jax_internals as jxi
+from jax_scaled.array import ScaledArray
+from jax_scaled.config import current_config
+from jax_scaled.pow2 import pow2_round, pow2_round_positive
+from jax_scaled.registry import register_scale_rule
+from jax_scaled.rules._common import compute_dtype, make_scale, rescale, scale_f32
+
+NORMS = ("l1", "l2", "max")
+
+dynamic_rescale_p = jxi.Primitive("dynamic_rescale")
+
+
+def dynamic_rescale_l1(x: jax.Array) -> jax.Array:
+    """Rebalance ``x`` so that the mean absolute value of its data is about 1.
+
+    The value is unchanged. Outside scalify, and for a plain array, this is the identity.
+
+    Example:
+        >>> from jax_scaled.ops import dynamic_rescale_l1
+        >>> y = scalify(dynamic_rescale_l1)(scaled_array([2.0**20, -3 * 2.0**20], 1.0))
+        >>> y.data, float(y.scale) == 2.0**21  # mean |data| = 2^21 moves to the scale
+        (Array([ 0.5, -1.5], dtype=float32), True)
+    """
+    return _rescale(x, "l1")
+
+
+def dynamic_rescale_l2(x: jax.Array) -> jax.Array:
+    """Rebalance ``x`` so that the root mean square of its data is about 1.
+
+    The value is unchanged. Outside scalify, and for a plain array, this is the identity.
+
+    Example:
+        >>> from jax_scaled.ops import dynamic_rescale_l2
+        >>> y = scalify(dynamic_rescale_l2)(scaled_array(jnp.full(4, 2.0**-20), 4.0))
+        >>> y.data, float(y.scale) == 2.0**-18
+        (Array([1., 1., 1., 1.], dtype=float32), True)
+        >>> dynamic_rescale_l2(jnp.array([1.0, 2.0]))  # outside scalify: identity
+        Array([1., 2.], dtype=float32)
+    """
+    return _rescale(x, "l2")
+
+
+def dynamic_rescale_max(x: jax.Array) -> jax.Array:
+    """Rebalance ``x`` so that the largest magnitude of its data is in ``[1, 2)``.
+
+    (``(1/2, 1]`` with rounding up.) The value is unchanged. Outside scalify, and for a
+    plain array, this is the identity.
+
+    Example:
+        >>> from jax_scaled.ops import dynamic_rescale_max
+        >>> y = scalify(dynamic_rescale_max)(scaled_array([1000.0, -3.0], 1.0, jnp.float16))
+        >>> y.data.tolist(), float(y.scale)  # 1000 = 1.953 * 2^9
+        ([1.953125, -0.005859375], 512.0)
+    """
+    return _rescale(x, "max")
+
+
+def dynamic_rescale_l1_grad(x: jax.Array) -> jax.Array:
+    """Identity forward; :func:`dynamic_rescale_l1` on the cotangent in the backward pass.
+
+    Gradient values are unchanged; only their scaled representation is rebalanced.
+
+    Example:
+        >>> from jax_scaled.ops import dynamic_rescale_l1_grad
+        >>> loss = lambda x, w: jnp.sum(dynamic_rescale_l1_grad(x) * w)
+        >>> w = scaled_array(jnp.full(3, 2.0**-12), 1.0)
+        >>> g = scalify(jax.grad(loss))(jnp.ones(3), w)
+        >>> g.data, float(g.scale) == 2.0**-12
+        (Array([1., 1., 1.], dtype=float32), True)
+    """
+    return _rescale_cotangent(x, "l1")
+
+
+def dynamic_rescale_l2_grad(x: jax.Array) -> jax.Array:
+    """Identity forward; :func:`dynamic_rescale_l2` on the cotangent in the backward pass.
+
+    Gradient values are unchanged; only their scaled representation is rebalanced.
+
+    Example:
+        >>> from jax_scaled.ops import dynamic_rescale_l2_grad
+        >>> loss = lambda x, w: jnp.sum(dynamic_rescale_l2_grad(x) * w)
+        >>> w = scaled_array(jnp.full(3, 2.0**12), 1.0, jnp.float16)
+        >>> g = scalify(jax.grad(loss))(jnp.ones(3, jnp.float16), w)
+        >>> g.data, float(g.scale) == 2.0**12
+        (Array([1., 1., 1.], dtype=float16), True)
+    """
+    return _rescale_cotangent(x, "l2")
+
+
+def dynamic_rescale_max_grad(x: jax.Array) -> jax.Array:
+    """Identity forward; :func:`dynamic_rescale_max` on the cotangent in the backward pass.
+
+    Gradient values are unchanged; only their scaled representation is rebalanced.
+
+    Example:
+        >>> from jax_scaled.ops import dynamic_rescale_max_grad
+        >>> loss = lambda x, w: jnp.sum(dynamic_rescale_max_grad(x) * w)
+        >>> w = scaled_array([0.5, 2.0**-10], 2.0**-4)
+        >>> g = scalify(jax.grad(loss))(jnp.ones(2), w)
+        >>> g.data.tolist(), float(g.scale) == 2.0**-5
+        ([1.0, 0.001953125], True)
+    """
+    return _rescale_cotangent(x, "max")
+
+
+def _rescale(x: jax.Array, norm: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"dynamic rescaling needs a floating-point array, got dtype {x.dtype}.")
+    return dynamic_rescale_p.bind(x, norm=norm)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _rescale_cotangent(x: jax.Array, norm: str) -> jax.Array:
+    return x
+
+
+def _rescale_cotangent_fwd(x: jax.Array, norm: str):
+    return x, None
+
+
+def _rescale_cotangent_bwd(norm: str, _, cotangent: jax.Array):
+    return (_rescale(cotangent, norm),)
+
+
+_rescale_cotangent.defvjp(_rescale_cotangent_fwd, _rescale_cotangent_bwd)
+
+
+# -- the primitive: identity outside scalify -------------------------------------------------
+
+
+def _identity(x, *, norm):
+    return x
+
+
+def _identity_jvp(primals, tangents, *, norm):
+    (x,), (tangent,) = primals, tangents
+    return dynamic_rescale_p.bind(x, norm=norm), tangent
+
+
+def _batcher(args, dims, *, norm):
+    return dynamic_rescale_p.bind(args[0], norm=norm), dims[0]
+
+
+dynamic_rescale_p.def_impl(_identity)
+dynamic_rescale_p.def_abstract_eval(_identity)
+jxi.mlir.register_lowering(dynamic_rescale_p, jxi.mlir.lower_fun(_identity, False))
+jxi.ad.primitive_jvps[dynamic_rescale_p] = _identity_jvp
+jxi.batching.primitive_batchers[dynamic_rescale_p] = _batcher
+
+
+# -- the scale rule --------------------------------------------------------------------------
+
+
+@register_scale_rule(dynamic_rescale_p)
+def dynamic_rescale_rule(x: ScaledArray, *, norm: str) -> ScaledArray:
+    """Move the power of two nearest the data's ``norm`` statistic into the scale."""
+    factor = pow2_round(_data_statistic(x.data, norm), current_config().rounding)
+    return _rebalanced(x, factor)
+
+
+def _data_statistic(data: jax.Array, norm: str) -> jax.Array:
+    """The ``norm`` statistic (``l1``, ``l2`` or ``max``) of ``data``, as a float32 scalar.
+
+    Computed relative to the largest magnitude (itself rounded to a power of two), so that
+    sums and squares neither overflow nor underflow whatever the data's magnitude.
+    """
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
+    magnitude = jnp.abs(data.astype(compute_dtype(data.dtype)))
+    largest = jnp.max(magnitude, initial=0).astype(jnp.float32)
+    if norm == "max":
+        return largest
+    unit = pow2_round(largest)  # 1 for all-zero or non-finite data
+    relative = magnitude / unit.astype(magnitude.dtype)
+    if norm == "l1":
+        statistic = jnp.mean(relative)
+    else:
+        statistic = jnp.sqrt(jnp.mean(jnp.square(relative)))
+    return statistic.astype(jnp.float32) * unit
+
+
+def _rebalanced(x: ScaledArray, factor: jax.Array) -> ScaledArray:
+    """``x`` with its scale multiplied by the power of two ``factor`` (clamped to the scale
+    range) and its data divided by the same amount: the value is unchanged."""
+    scale = scale_f32(x)
+    new_scale = pow2_round_positive(scale * factor)  # clamped to [2^-126, 2^127]
+    return ScaledArray(rescale(x.data, scale / new_scale), make_scale(new_scale, x))

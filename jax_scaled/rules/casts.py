@@ -1,0 +1,90 @@
+"""Cast-related primitives and their scale rules.
+
+``saturate`` clips an array to the finite range of a float format (``±finfo(dtype).max``)
+before a cast to that format, so that values beyond it become the format's largest value
+instead of ``inf`` or ``NaN``. Under scalify the clip applies to the *data* of a ScaledArray
+(the scale is kept): the data is what a cast stores in the narrow format.
+
+The casts themselves need no new rule: ``convert_element_type`` (float to float: data cast,
+scale kept) and ``reduce_precision`` (applied to the data) are handled in
+:mod:`jax_scaled.rules.elementwise`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+from jax import lax
+
+from jax_scaled import _jax_internals as jxi
+from jax_scaled.array import ScaledArray
+from jax_scaled.registry import register_scale_rule
+
+DTypeLike = jnp.dtype | type
+
+saturate_p = jxi.Primitive("saturate")
+
+
+def saturate(x: jax.Array, dtype: DTypeLike) -> jax.Array:
+    """Clip ``x`` to ``[-max, max]`` with ``max`` the largest finite value of ``dtype``.
+
+    ``±inf`` become ``±max``; NaN stays NaN; the dtype of ``x`` is kept (a no-op when every
+    finite value of ``x``'s dtype fits in ``dtype``: then no cast can overflow). Under scalify the
+    data of a ScaledArray is clipped (its scale is kept). The derivative is the identity
+    (straight-through): saturation is a quantisation detail, not part of the model.
+
+    Example:
+        >>> from jax_scaled.rules.casts import saturate
+        >>> saturate(jnp.array([1e6, -jnp.inf, 3.0]), jnp.float8_e4m3fn)
+        Array([ 448., -448.,    3.], dtype=float32)
+    """
+    return saturate_p.bind(x, dtype=float_dtype(dtype))
+
+
+def float_dtype(dtype: DTypeLike) -> jnp.dtype:
+    """``dtype`` as a numpy dtype, checked to be a floating-point format.
+
+    Example:
+        >>> from jax_scaled.rules.casts import float_dtype
+        >>> float_dtype(jnp.float8_e5m2)
+        dtype(float8_e5m2)
+    """
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"expected a floating-point format, got {dtype}.")
+    return dtype
+
+
+def _finite_max(dtype: jnp.dtype) -> float:
+    return float(ml_dtypes.finfo(dtype).max)
+
+
+def _saturate_impl(x: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
+    bound = _finite_max(dtype)
+    if bound >= _finite_max(x.dtype):
+        return x  # every finite value of x fits; only infinities would change
+    low, high = jnp.asarray(-bound, x.dtype), jnp.asarray(bound, x.dtype)
+    return lax.clamp(low, x, high)
+
+
+def _saturate_jvp(primals, tangents, *, dtype):
+    (x,), (tangent,) = primals, tangents
+    return saturate_p.bind(x, dtype=dtype), tangent
+
+
+def _saturate_batcher(args, dims, *, dtype):
+    return saturate_p.bind(args[0], dtype=dtype), dims[0]
+
+
+saturate_p.def_impl(_saturate_impl)
+saturate_p.def_abstract_eval(lambda x, *, dtype: x)
+jxi.mlir.register_lowering(saturate_p, jxi.mlir.lower_fun(_saturate_impl, False))
+jxi.ad.primitive_jvps[saturate_p] = _saturate_jvp
+jxi.batching.primitive_batchers[saturate_p] = _saturate_batcher
+
+
+@register_scale_rule(saturate_p)
+def saturate_rule(x: ScaledArray, *, dtype: jnp.dtype) -> ScaledArray:
+    """Input scale; the data is clipped to the format's range (what a cast of it stores)."""
+    return ScaledArray(_saturate_impl(x.data, dtype=dtype), x.scale)

@@ -1,0 +1,233 @@
+"""Dynamic rescaling (js.ops.dynamic_rescale_*): data re-centred, value kept, identity outside."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import (
+    FLOAT_DTYPES,
+    assert_pow2_scales,
+    check_e8m0_matches,
+    random_data,
+    value64,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jax_scaled as js
+from jax_scaled import ops
+
+RESCALE = {
+    "l1": ops.dynamic_rescale_l1,
+    "l2": ops.dynamic_rescale_l2,
+    "max": ops.dynamic_rescale_max,
+}
+RESCALE_GRAD = {
+    "l1": ops.dynamic_rescale_l1_grad,
+    "l2": ops.dynamic_rescale_l2_grad,
+    "max": ops.dynamic_rescale_max_grad,
+}
+ALL_OPS = [*RESCALE.values(), *RESCALE_GRAD.values()]
+
+
+@functools.cache
+def jitted_scalify(fn):
+    """One compiled ``jit(scalify(fn))`` per function, reused across hypothesis examples."""
+    return jax.jit(js.scalify(fn))
+
+
+SHAPE = (4, 8)  # one shape: each jitted test compiles once, examples vary values and scales
+
+# Data exponents ("imbalance": how far the data sits from unit scale) each format can hold
+# for normal samples without overflowing: float16 tops out at 2^16.
+IMBALANCE = {jnp.float32: (-30, 30), jnp.bfloat16: (-30, 30), jnp.float16: (-12, 12)}
+
+
+def statistic64(data, norm: str) -> float:
+    """The norm statistic of ``data`` in float64 numpy."""
+    magnitude = np.abs(np.asarray(data, np.float64))
+    if norm == "l1":
+        return float(np.mean(magnitude))
+    if norm == "l2":
+        return float(np.sqrt(np.mean(magnitude**2)))
+    return float(np.max(magnitude))
+
+
+def assert_same_value(y: js.ScaledArray, x: js.ScaledArray) -> None:
+    """Equal values; only data pushed into the format's subnormals (or flushed) may differ."""
+    got, want = value64(y), value64(x)
+    tiny = float(ml_dtypes.finfo(y.dtype).smallest_normal) * float(y.scale)
+    normal = np.abs(np.asarray(y.data, np.float64)) >= float(
+        ml_dtypes.finfo(y.dtype).smallest_normal
+    )
+    np.testing.assert_array_equal(got[normal], want[normal])
+    assert np.all(np.abs(got - want) <= tiny)
+
+
+@st.composite
+def imbalanced(draw, dtype) -> js.ScaledArray:
+    """A ScaledArray whose data is normal samples times 2^k (k up to ±30) at a random scale."""
+    low, high = IMBALANCE[dtype]
+    exponent = draw(st.integers(low, high))
+    seed = draw(st.integers(0, 2**31 - 1))
+    raw = random_data(seed, SHAPE, jnp.float32) * np.float32(2.0**exponent)
+    scale = 2.0 ** draw(st.integers(-20, 20))
+    return js.ScaledArray(jnp.asarray(raw.astype(jnp.dtype(dtype))), jnp.float32(scale))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("norm", list(RESCALE))
+@given(data=st.data())
+def test_rescale_recentres_data_and_keeps_value(dtype, norm, data):
+    x = data.draw(imbalanced(dtype))
+    y = jitted_scalify(RESCALE[norm])(x)
+    assert isinstance(y, js.ScaledArray) and y.dtype == x.dtype
+    assert_pow2_scales(y)
+    assert 1.0 <= statistic64(y.data, norm) < 2.0  # default rounding: down
+    assert_same_value(y, x)
+
+
+IN_RANGE = {
+    "down": lambda s: 1.0 <= s < 2.0,
+    "up": lambda s: 0.5 < s <= 1.0,
+    "nearest": lambda s: 2**-0.5 <= s < 2**0.5,
+}
+
+
+@pytest.mark.parametrize("rounding", list(IN_RANGE))
+@pytest.mark.parametrize("norm", list(RESCALE))
+def test_rescale_follows_configured_rounding(rounding, norm):
+    x = js.ScaledArray(jnp.asarray(random_data(3, (5, 7), jnp.float32) * 2.0**-17), jnp.float32(8))
+    with js.ScalifyConfig(rounding=rounding):
+        y = js.scalify(RESCALE[norm])(x)
+    assert IN_RANGE[rounding](statistic64(y.data, norm))
+    assert_same_value(y, x)
+
+
+def test_rescale_without_it_data_stays_off():
+    """The baseline the tests above rely on: without rescaling, data stays badly scaled."""
+    x = js.ScaledArray(jnp.full((4,), 2.0**-20, jnp.float32), jnp.float32(1))
+    kept = js.scalify(lambda x: x * 1.0)(x)
+    assert statistic64(kept.data, "l2") == 2.0**-20
+    rescaled = js.scalify(ops.dynamic_rescale_l2)(x)
+    assert statistic64(rescaled.data, "l2") == 1.0 and float(rescaled.scale) == 2.0**-20
+
+
+@pytest.mark.parametrize("data", [[0.0, 0.0, 0.0], [np.inf, 1.0, 2.0], [np.nan, 1.0, 2.0]])
+def test_rescale_leaves_zero_and_nonfinite_data_alone(data):
+    x = js.ScaledArray(jnp.array(data, jnp.float16), jnp.float32(2.0**-10))
+    for rescale in RESCALE.values():
+        y = js.scalify(rescale)(x)
+        np.testing.assert_array_equal(np.asarray(y.data), np.asarray(x.data))
+        assert float(y.scale) == 2.0**-10
+
+
+def test_rescale_clamps_scale_to_its_range():
+    """A scale that would fall below 2^-126 is clamped; the data keeps the remainder."""
+    x = js.ScaledArray(jnp.full((3,), 2.0**-20, jnp.float32), jnp.float32(2.0**-120))
+    y = js.scalify(ops.dynamic_rescale_l2)(x)
+    assert float(y.scale) == 2.0**-126
+    np.testing.assert_array_equal(np.asarray(y.data), np.full(3, 2.0**-14, np.float32))
+    assert_same_value(y, x)
+
+
+def test_rescale_keeps_e8m0_scales_bit_identical():
+    x = js.ScaledArray(jnp.asarray(random_data(0, (4, 6), jnp.float16) * 2.0**9), jnp.float32(0.25))
+    for rescale in RESCALE.values():
+        check_e8m0_matches(rescale, [x])
+
+
+def test_rescale_of_plain_array_inside_scalify_stays_plain():
+    x = jnp.asarray(random_data(1, (3, 4), jnp.float32) * 2.0**20)
+    for rescale in RESCALE.values():
+        y = js.scalify(rescale)(x)
+        assert not isinstance(y, js.ScaledArray)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+def test_rescale_under_vmap_inside_scalify_uses_one_scale():
+    x = js.ScaledArray(jnp.asarray(random_data(2, (3, 5), jnp.float32) * 2.0**12), jnp.float32(1))
+    y = js.scalify(jax.vmap(ops.dynamic_rescale_max))(x)
+    assert np.ndim(y.scale) == 0
+    assert 1.0 <= statistic64(y.data, "max") < 2.0
+    assert_same_value(y, x)
+
+
+# --- identities outside scalify ----------------------------------------------------------
+
+
+def _main_body_ops(fn, x) -> list[str]:
+    """Names of the StableHLO operations in the body of ``jit(fn)``'s main function."""
+    module = jax.jit(fn).lower(x).compiler_ir("stablehlo")
+    main = next(op for op in module.body.operations if "main" in str(op.attributes["sym_name"]))
+    return [op.operation.name for op in main.regions[0].blocks[0].operations]
+
+
+@pytest.mark.parametrize("rescale", list(RESCALE.values()))
+def test_rescale_outside_scalify_is_one_equation_and_no_operation(rescale):
+    x = jnp.asarray(random_data(4, (2, 3), jnp.float16))
+    jaxpr = jax.make_jaxpr(rescale)(x)
+    assert [e.primitive.name for e in jaxpr.eqns] == ["dynamic_rescale"]
+    assert _main_body_ops(rescale, x) == _main_body_ops(lambda x: x, x) == ["func.return"]
+
+
+@pytest.mark.parametrize("fn", ALL_OPS)
+def test_ops_are_identities_outside_scalify(fn):
+    x = jnp.asarray(random_data(5, (3, 4), jnp.float32) * 2.0**30)
+    w = jnp.asarray(random_data(6, (3, 4), jnp.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x)), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(jax.vmap(fn)(x)), np.asarray(x))
+    grad = jax.grad(lambda x: jnp.sum(fn(x) * w))(x)
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(w))
+
+
+def test_rescale_refuses_integer_arrays():
+    with pytest.raises(TypeError, match="floating-point"):
+        ops.dynamic_rescale_l2(jnp.arange(3))
+
+
+# --- *_grad: the cotangent's representation is rebalanced, its value kept ------------------
+
+
+def grad_of(fn):
+    return lambda x, w: jax.grad(lambda x: jnp.sum(fn(x) * w))(x)
+
+
+GRAD_OF = {norm: grad_of(fn) for norm, fn in RESCALE_GRAD.items()}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("norm", list(RESCALE_GRAD))
+@given(data=st.data())
+def test_grad_rescale_rebalances_the_cotangent(dtype, norm, data):
+    w = data.draw(imbalanced(dtype))
+    x = js.as_scaled_array(jnp.ones(w.shape, dtype))
+    g = jitted_scalify(GRAD_OF[norm])(x, w)
+    assert isinstance(g, js.ScaledArray) and g.dtype == w.dtype
+    assert_pow2_scales(g)
+    assert 1.0 <= statistic64(g.data, norm) < 2.0
+    assert_same_value(g, w)  # the gradient of sum(x * w) is w
+
+
+def test_grad_rescale_without_it_the_cotangent_stays_off():
+    w = js.ScaledArray(jnp.full((4,), 2.0**12, jnp.float16), jnp.float32(2.0**-30))
+    x = js.as_scaled_array(jnp.ones(4, jnp.float16))
+    plain = js.scalify(grad_of(lambda x: x))(x, w)
+    assert statistic64(plain.data, "l2") == 2.0**12
+    rescaled = js.scalify(grad_of(ops.dynamic_rescale_l2_grad))(x, w)
+    assert statistic64(rescaled.data, "l2") == 1.0 and float(rescaled.scale) == 2.0**-18
+
+
+@pytest.mark.parametrize("norm", list(RESCALE_GRAD))
+def test_grad_rescale_is_in_the_backward_pass_and_identity_forward(norm):
+    x = jnp.ones((2, 3), jnp.float16)
+    jaxpr = jax.make_jaxpr(grad_of(RESCALE_GRAD[norm]))(x, x)
+    rescales = [e for e in jaxpr.eqns if e.primitive.name == "dynamic_rescale"]
+    assert [e.params["norm"] for e in rescales] == [norm]
+    xs = js.ScaledArray(jnp.full((2, 3), 2.0**10, jnp.float16), jnp.float32(2.0**-5))
+    y = js.scalify(RESCALE_GRAD[norm])(xs)
+    assert float(y.scale) == 2.0**-5
+    np.testing.assert_array_equal(np.asarray(y.data), np.asarray(xs.data))
