@@ -7,14 +7,19 @@ a JAX upgrade that moves an internal touches one file. Everything else imports f
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import pkgutil
 
 from jax._src import ad_checkpoint, source_info_util
+from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import pjit as _pjit
 from jax._src import shard_map as _shard_map
-from jax._src.lax import parallel as _parallel
 from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax_impl
+from jax._src.lax import parallel as _parallel
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as lax_primitives
 
@@ -53,9 +58,12 @@ ppermute_p = _parallel.ppermute_p
 all_to_all_p = _parallel.all_to_all_p
 pbroadcast_p = getattr(_parallel, "pbroadcast_p", None)
 axis_index_p = _parallel.axis_index_p
+reshard_p = getattr(_pjit, "reshard_p", None)  # jax.sharding.reshard
+pvary_p = getattr(_core, "pvary_p", None)  # jax.lax.pcast(..., to="varying")
 
 # Helpers for writing higher-order primitives.
 jaxpr_as_fun = _core.jaxpr_as_fun
+convert_constvars_jaxpr = _pe.convert_constvars_jaxpr  # constvars -> leading invars
 NOT_MAPPED = getattr(batching, "not_mapped", None)  # None in recent JAX
 
 # Frames inside jax_scaled are library frames: source locations point at the user's code.
@@ -81,6 +89,7 @@ __all__ = [
     "is_unspecified_sharding",
     "jit_p",
     "jaxpr_as_fun",
+    "convert_constvars_jaxpr",
     "scan_p",
     "while_p",
     "cond_p",
@@ -99,6 +108,11 @@ __all__ = [
     "all_to_all_p",
     "pbroadcast_p",
     "axis_index_p",
+    "pvary_p",
+    "reshard_p",
+    "manual_axis_kwargs",
+    "varying_axes",
+    "vma_checked",
     "lax_primitives",
     "mlir",
     "split_p",
@@ -127,18 +141,66 @@ def eqn_bind_params(eqn: JaxprEqn) -> tuple[list, dict]:
     return [], params
 
 
+def manual_axis_kwargs(x) -> dict:
+    """``jax.ShapeDtypeStruct`` keywords keeping how ``x`` varies over manual mesh axes.
+
+    Empty outside ``shard_map``; inside, the manual axis type and the (abstract-mesh)
+    sharding it is defined against.
+    """
+    aval = _core.typeof(x)
+    manual_type = getattr(aval, "manual_axis_type", None)
+    if manual_type is None or manual_type.empty:
+        return {}
+    return {"manual_axis_type": manual_type, "sharding": aval.sharding}
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty without check_vma)."""
+    aval = _core.typeof(x)
+    manual_type = getattr(aval, "manual_axis_type", None)  # JAX >= 0.9
+    if manual_type is not None:
+        return frozenset(manual_type.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def vma_checked() -> bool:
+    """True while tracing a ``shard_map`` body with ``check_vma=True`` (varying axes typed)."""
+    return bool(_config._check_vma.value)
+
+
 def is_unspecified_sharding(sharding) -> bool:
     """True for JAX's "no sharding given" marker (``UNSPECIFIED``) and for None."""
     return sharding is None or type(sharding).__name__ == "UnspecifiedValue"
 
 
 def all_lax_primitives() -> dict[str, Primitive]:
-    """Every primitive JAX exposes in ``jax.extend.core.primitives``, by name."""
+    """Every primitive of JAX's lax and random layers, by name.
+
+    The union of ``jax.extend.core.primitives``, of the primitives defined in the modules of
+    the ``jax._src.lax`` and ``jax._src.random`` packages (collectives, ``tile``,
+    ``scatter-sub``, ``random_wrap``, ... which jax.extend does not list) and of those this
+    module names (``remat``, ``shard_map``).
+    """
     found = {}
-    for attr in dir(lax_primitives):
-        value = getattr(lax_primitives, attr)
-        if isinstance(value, Primitive):
-            found[value.name] = value
-    if split_p is not None:
-        found.setdefault(split_p.name, split_p)
+    for module in [lax_primitives, *_modules_under("jax._src.lax", "jax._src.random")]:
+        for attr in sorted(dir(module)):
+            value = getattr(module, attr, None)
+            if isinstance(value, Primitive):
+                found.setdefault(value.name, value)
+    named = [split_p, remat_p, shard_map_p, all_gather_invariant_p, psum_invariant_p]
+    named.append(getattr(_core, "pvary_p", None))  # jax.lax.pvary
+    for value in [*named, reduce_scatter_p, pbroadcast_p]:
+        if value is not None:
+            found.setdefault(value.name, value)
     return found
+
+
+def _modules_under(*packages: str) -> list:
+    """The modules of ``packages`` and of all their sub-packages (imported if needed)."""
+    modules = []
+    for name in packages:
+        package = importlib.import_module(name)
+        modules.append(package)
+        for info in pkgutil.walk_packages(package.__path__, name + "."):
+            modules.append(importlib.import_module(info.name))
+    return modules
