@@ -8,8 +8,8 @@ Example:
     4.0
 """
 
+from jax_scaled import nn, ops, optim, tree
 from jax_scaled import rules as _rules  # noqa: F401  (registers the scale rules)
-from jax_scaled import nn, ops, tree
 from jax_scaled.any_scale import ANY_SCALE
 from jax_scaled.array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from jax_scaled.config import ScalifyConfig, current_config
@@ -18,6 +18,7 @@ from jax_scaled.interpreter import scalify
 from jax_scaled.pow2 import Rounding, pow2_round, pow2_split
 from jax_scaled.primitives import get_data_and_scale, rebalance, set_scaling, stop_scaling
 from jax_scaled.registry import register_scale_rule, registered_primitives
+from jax_scaled.rules.collectives import scaled_shardings
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ __all__ = [
     "is_scaled_leaf",
     "nn",
     "ops",
+    "optim",
     "pow2_round",
     "pow2_split",
     "rebalance",
@@ -41,6 +43,7 @@ __all__ = [
     "registered_primitives",
     "scalify",
     "scaled_array",
+    "scaled_shardings",
     "set_scaling",
     "stop_scaling",
     "tree",

@@ -189,7 +189,7 @@ def all_lax_primitives() -> dict[str, Primitive]:
                 found.setdefault(value.name, value)
     named = [split_p, remat_p, shard_map_p, all_gather_invariant_p, psum_invariant_p]
     named.append(getattr(_core, "pvary_p", None))  # jax.lax.pvary
-    for value in [*named, reduce_scatter_p, pbroadcast_p]:
+    for value in [*named, reduce_scatter_p, pbroadcast_p, reshard_p]:
         if value is not None:
             found.setdefault(value.name, value)
     return found

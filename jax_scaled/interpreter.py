@@ -27,7 +27,6 @@ from jax_scaled.array import ScaledArray, _is_array_like
 from jax_scaled.config import ScalifyConfig, current_config
 from jax_scaled.pow2 import pow2_split, static_pow2_split
 from jax_scaled.registry import applies_to_unscaled, find_scale_rule
-from jax_scaled.rules._common import rescale
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -108,7 +107,9 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     if isinstance(x, ScaledArray):
         _check_scalar_scale(x)
         weak_type = False
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak_type)
+    # Inside shard_map, keep the mesh axes the value varies over (check_vma typing).
+    manual = jxi.manual_axis_kwargs(x.data if isinstance(x, ScaledArray) else x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak_type, **manual)
 
 
 def _check_scalar_scale(x: ScaledArray) -> None:
@@ -201,7 +202,7 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
             f"{_source_line(eqn)}. Register one with jax_scaled.register_scale_rule, "
             "or leave this value unscaled (jax_scaled.stop_scaling) before the operation."
         )
-    invals = _promote_inputs(in_slots)
+    invals = _promote_inputs(in_slots, eqn.primitive.name)
     with jxi.eqn_user_context(eqn):
         outs = rule(*invals, **eqn.params)
     return _rule_output_slots(eqn, outs)
@@ -359,10 +360,18 @@ def _check_rule_outputs(eqn: jxi.JaxprEqn, outs: list[Value]) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _promote_inputs(in_slots: list[Slot]) -> list[Value]:
+# Primitives whose output scale is a product of the input scales: a scale-independent
+# operand (zeros, infinities) is promoted at scale 1 there, not at the other operand's
+# scale, so the product keeps the meaningful operand's scale instead of squaring it.
+_MULTIPLICATIVE = {"mul", "div", "dot_general", "conv_general_dilated"}
+
+
+def _promote_inputs(in_slots: list[Slot], primitive_name: str = "") -> list[Value]:
     reference = next((s.value.scale for s in in_slots if s.is_scaled), None)
     if reference is None:
         return [s.value for s in in_slots]
+    if primitive_name in _MULTIPLICATIVE:
+        reference = jnp.ones((), reference.dtype)
     return [_promote(s, reference) for s in in_slots]
 
 
@@ -378,15 +387,20 @@ def _promote(slot: Slot, reference_scale: jax.Array) -> Value:
         return ScaledArray(jnp.asarray(value), reference_scale)
     if slot.constant is not None:
         mantissa, scale = static_pow2_split(slot.constant)
-        data = jnp.full(value.shape, mantissa, value.dtype)
+        data = jnp.full(np.shape(value), mantissa, value.dtype)  # literals may be TypedFloat
         # A numpy (static) scale tells rules this operand is a trace-time constant.
         return ScaledArray(data, np.asarray(scale, np.float32).astype(scale_dtype))
     if slot.base is not None:
         mantissa, scale = pow2_split(jnp.asarray(slot.base))
+        # A traced zero (or inf, nan) is the same at any scale: take the other operand's.
+        any_scale = (mantissa == 0) | ~jnp.isfinite(mantissa)
+        scale = jnp.where(any_scale, reference_scale.astype(jnp.float32), scale)
         data = jnp.broadcast_to(mantissa.astype(value.dtype), value.shape)
         return ScaledArray(data, scale.astype(scale_dtype))
     scale = jnp.asarray(slot.estimate, jnp.float32)
-    return ScaledArray(rescale(value, 1 / scale), scale.astype(scale_dtype))
+    wide = jnp.promote_types(value.dtype, jnp.float32)
+    data = (value.astype(wide) * (1 / scale).astype(wide)).astype(value.dtype)
+    return ScaledArray(data, scale.astype(scale_dtype))
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.extend.core import Primitive
 
 import jax_scaled as js
 
@@ -159,15 +160,19 @@ class TestHigherOrder:
 
 class TestErrors:
     def test_unsupported_primitive_names_itself_and_the_line(self):
-        def uses_lgamma(x):
-            return lax.lgamma(x)  # MARKER: the line the error must point to
+        mystery_p = Primitive("mystery_op")  # a primitive no rule knows
+        mystery_p.def_impl(lambda x: x)
+        mystery_p.def_abstract_eval(lambda x: x)
+
+        def uses_mystery(x):
+            return mystery_p.bind(x)  # MARKER: the line the error must point to
 
         with pytest.raises(NotImplementedError) as info:
-            js.scalify(uses_lgamma)(scaled([1.0, 2.0]))
+            js.scalify(uses_mystery)(scaled([1.0, 2.0]))
         message = str(info.value)
-        assert "'lgamma'" in message
+        assert "'mystery_op'" in message
         assert "test_interpreter.py" in message
-        line = uses_lgamma.__code__.co_firstlineno + 1
+        line = uses_mystery.__code__.co_firstlineno + 1
         assert f":{line}" in message
 
     def test_per_axis_scales_are_refused_clearly(self):
@@ -214,3 +219,26 @@ def test_e8m0_scales_win_over_promoted_float32_ones():
     out = js.scalify(lambda a, b: b * a)(x, jnp.array([3.0, 4.0]))  # b is plain
     assert out.scale.dtype == jnp.float8_e8m0fnu
     np.testing.assert_array_equal(js.asarray(out, jnp.float32), [3.0, 8.0])
+
+
+def test_traced_zero_scalar_takes_the_other_operands_scale():
+    """``jnp.clip(var, 0)`` inside a jit (jax.nn.standardize): the 0 reaches max as a traced
+    float; promoted at scale 1 it would flush a float16 variance of 2^-40 to zero."""
+    clip_at = jax.jit(lambda x, low: jnp.maximum(low.astype(x.dtype), x))
+    x = js.scaled_array(jnp.array([1.0, 3.0], jnp.float16), 2.0**-40)
+    out = jax.jit(js.scalify(lambda x: clip_at(x, 0)))(x)
+    assert float(out.scale) == 2.0**-40
+    np.testing.assert_array_equal(js.asarray(out, jnp.float32), np.array([1.0, 3.0]) * 2.0**-40)
+
+
+def test_python_float_literal_carry_is_promoted():
+    """A while loop started from ``1.0`` (a TypedFloat literal in the jaxpr) times a scaled
+    value: the literal carry is promoted to a ScaledArray (optax's lbfgs linesearch)."""
+
+    def cube(x):
+        body = lambda c: (c[0] * x, c[1] + 1)  # noqa: E731
+        return lax.while_loop(lambda c: c[1] < 3, body, (1.0, 0))[0]
+
+    out = jax.jit(js.scalify(cube))(js.scaled_array(jnp.float16(1.5), 2.0**-20))
+    assert out.dtype == jnp.float16 and float(out.scale) == 2.0**-60
+    assert float(out.data) == 1.5**3

@@ -2,6 +2,7 @@
 
 from jax_scaled.rules import (  # noqa: F401
     casts,
+    collectives,
     control_flow,
     elementwise,
     indexing,

@@ -64,7 +64,14 @@ def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
     """Cast a float32 power-of-two ``scale`` to the scale dtype of the inputs ``like``."""
     scale = as_float32(scale)
     dtype = out_scale_dtype(*like)
-    return scale if scale.dtype == dtype else lax.convert_element_type(scale, dtype)
+    if scale.dtype == dtype:
+        return scale
+    if dtype == jnp.float8_e8m0fnu:
+        # E8M0 has no zero: a scale flushed to 0 (a product below 2^-126) becomes the
+        # smallest E8M0 power, 2^-127, instead of E8M0's NaN.
+        smallest = jnp.asarray(2.0**-127, dtype)
+        return jnp.where(scale > 0, lax.convert_element_type(scale, dtype), smallest)
+    return lax.convert_element_type(scale, dtype)
 
 
 def sqrt_pow2(n: int) -> float:

@@ -1,0 +1,184 @@
+"""Shared machinery of js.optim: storing floating leaves as scaled narrow data, and running a
+function under scalify only when it is handed ScaledArrays."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_scaled import _jax_internals as jxi
+from jax_scaled import ops
+from jax_scaled.array import ScaledArray, as_scaled_array
+from jax_scaled.interpreter import scalify
+from jax_scaled.ops.rescale import dynamic_rescale_rule
+from jax_scaled.registry import register_scale_rule
+from jax_scaled.rules._common import as_scaled
+from jax_scaled.rules.casts import float_dtype, saturate
+from jax_scaled.tree import tree_leaves, tree_map
+
+DTypeLike = Any
+
+RESCALES: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "l1": ops.dynamic_rescale_l1,
+    "l2": ops.dynamic_rescale_l2,
+    "max": ops.dynamic_rescale_max,
+}
+
+
+def wider_dtype(dtype: DTypeLike, other: DTypeLike) -> jnp.dtype:
+    """The wider of two floating dtypes (``dtype`` on a tie); no implicit promotion involved,
+    which JAX refuses for float8 formats."""
+    dtype, other = jnp.dtype(dtype), jnp.dtype(other)
+    return other if jnp.finfo(other).bits > jnp.finfo(dtype).bits else dtype
+
+
+def check_rescale(rescale: str | None) -> str | None:
+    """``rescale`` validated: ``None`` or one of the dynamic rescale statistics."""
+    if rescale is not None and rescale not in RESCALES:
+        raise ValueError(f"rescale must be None or one of {sorted(RESCALES)}, got {rescale!r}.")
+    return rescale
+
+
+def is_float(x: Any) -> bool:
+    """True for a floating array or ScaledArray (the leaves js.optim stores scaled)."""
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def has_scaled_leaf(*trees: Any) -> bool:
+    """True when any leaf of ``trees`` is a ScaledArray."""
+    return any(isinstance(x, ScaledArray) for x in tree_leaves(trees))
+
+
+def call_scaled(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``scalify(fn)(*args, **kwargs)`` if the arguments hold a ScaledArray, else ``fn(...)``.
+
+    Inside an enclosing ``scalify`` the arguments are plain tracers: ``fn`` is then traced
+    into the enclosing transform, which applies the scale rules itself.
+    """
+    if has_scaled_leaf(args, kwargs):
+        return scalify(fn)(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def rescaled(x: jax.Array, rescale: str | None) -> jax.Array:
+    """``x`` dynamically rescaled with the ``rescale`` statistic (no-op for ``None``)."""
+    return x if rescale is None else RESCALES[rescale](x)
+
+
+# -- promote_plain: a plain array gets a scale from its statistics ----------------------------
+
+promote_plain_p = jxi.Primitive("promote_plain")
+
+
+def promote_plain(x: jax.Array) -> jax.Array:
+    """Under scalify: a plain floating ``x`` becomes a ScaledArray at the power of two below
+    its RMS (its data near unit scale); a ScaledArray is returned as is. Outside scalify: ``x``.
+
+    A plain array carries no scale, so the rules assume unit scale for it: gradients of
+    magnitude 2^-12 mixed into scaled float16 state would be stored with data near 2^-24.
+    """
+    return promote_plain_p.bind(x)
+
+
+def _identity(x):
+    return x
+
+
+def _identity_jvp(primals, tangents):
+    return promote_plain_p.bind(primals[0]), tangents[0]
+
+
+def _batcher(args, dims):
+    return promote_plain_p.bind(args[0]), dims[0]
+
+
+promote_plain_p.def_impl(_identity)
+promote_plain_p.def_abstract_eval(_identity)
+jxi.mlir.register_lowering(promote_plain_p, jxi.mlir.lower_fun(_identity, False))
+jxi.ad.primitive_jvps[promote_plain_p] = _identity_jvp
+jxi.batching.primitive_batchers[promote_plain_p] = _batcher
+
+
+@register_scale_rule(promote_plain_p, applies_to_unscaled=True)
+def _promote_plain_rule(x: jax.Array) -> ScaledArray:
+    if isinstance(x, ScaledArray) or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return dynamic_rescale_rule(as_scaled(x), norm="l2")
+
+
+# -- storage ---------------------------------------------------------------------------------
+
+
+def stored(x: jax.Array, dtype: DTypeLike, rescale: str | None) -> jax.Array:
+    """A floating leaf as it is stored between steps (traced under scalify).
+
+    Made scaled (:func:`promote_plain`), rescaled while its data is still wide, clipped to the
+    finite range of ``dtype`` (no ``inf``/``NaN`` from an overflowing cast), cast to ``dtype``.
+    Scalars keep at least float32 data: they are hyperparameters (schedule-free's ``b1``,
+    injected learning rates) or moments of scalar parameters, precision-sensitive and small.
+    """
+    if jnp.ndim(x) == 0:  # a hyperparameter or a scalar's moment: costs nothing in float32
+        dtype = wider_dtype(dtype, jnp.float32)
+    x = rescaled(promote_plain(x), rescale)
+    return saturate(x, dtype).astype(dtype)
+
+
+def stored_tree(tree: Any, dtype: DTypeLike, rescale: str | None) -> Any:
+    """:func:`stored` applied to every floating leaf of ``tree``; other leaves unchanged."""
+    return tree_map(lambda x: stored(x, dtype, rescale) if is_float(x) else x, tree)
+
+
+E8M0_ZERO_SCALE = 2.0**-100
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "rescale"))
+def _store_scaled(tree: Any, dtype: jnp.dtype, rescale: str | None) -> Any:
+    tree = tree_map(_lift_e8m0_zero_scale, tree)
+    return scalify(stored_tree)(tree, dtype, rescale)
+
+
+def _lift_e8m0_zero_scale(x: Any) -> Any:
+    """An all-zero ScaledArray with an E8M0 scale gets :data:`E8M0_ZERO_SCALE`, not ``2^-126``.
+
+    Rules multiply scales (Adam's ``b2 * nu``): a product below ``2^-126`` is a float32
+    subnormal, flushed to 0 on CPU, which an E8M0 scale cannot hold (it becomes NaN). Float32
+    scales keep ``2^-126``: a zero there is harmless, and any higher scale would dominate the
+    estimates of values below it.
+    """
+    if not isinstance(x, ScaledArray) or x.scale.dtype != jnp.float8_e8m0fnu:
+        return x
+    zero_scale = jnp.asarray(E8M0_ZERO_SCALE, x.scale.dtype)
+    return ScaledArray._trusted(x.data, jnp.where(jnp.any(x.data != 0), x.scale, zero_scale))
+
+
+def to_storage(
+    tree: Any, dtype: DTypeLike, rescale: str | None, scale_dtype: DTypeLike | None
+) -> Any:
+    """Every floating leaf of a concrete ``tree`` as a ScaledArray with ``dtype`` data.
+
+    Plain arrays are first split at their RMS (:func:`~jax_scaled.as_scaled_array`; all-zero
+    leaves get scale ``2^-126``), then stored (:func:`stored`) in one compiled call.
+    """
+    tree = as_scaled_array(tree, scale_dtype=scale_dtype)
+    return _store_scaled(tree, float_dtype(dtype), check_rescale(rescale))
+
+
+def like_reference(reference: Any, tree: Any) -> Any:
+    """``tree`` with a plain array wherever ``reference`` has one (ScaledArray values of
+    ``tree`` there become ``data * scale``, in the wider of the two dtypes).
+
+    ``tree``'s structure must match ``reference`` up to its leaves; ``None`` leaves pass.
+    """
+
+    def convert(ref: Any, x: Any) -> Any:
+        if isinstance(x, ScaledArray) and not isinstance(ref, ScaledArray) and ref is not None:
+            return x.to_array(jnp.promote_types(x.dtype, ref.dtype))
+        return x
+
+    return jax.tree.map(
+        convert, reference, tree, is_leaf=lambda x: x is None or isinstance(x, ScaledArray)
+    )

@@ -1,0 +1,149 @@
+"""Optax optimizer state stored as ScaledArray in a narrow format (float16, bfloat16, float8)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jax_scaled.array import ScaledArray
+from jax_scaled.optim._storage import (
+    DTypeLike,
+    call_scaled,
+    check_rescale,
+    is_float,
+    like_reference,
+    promote_plain,
+    rescaled,
+    stored_tree,
+    to_storage,
+    wider_dtype,
+)
+from jax_scaled.rules.casts import float_dtype
+from jax_scaled.tree import tree_leaves, tree_map
+
+
+def scaled_state(
+    inner: optax.GradientTransformation,
+    dtype: DTypeLike = jnp.float16,
+    *,
+    rescale: str | None = "l2",
+    rescale_grads: bool = False,
+    compute_dtype: DTypeLike | None = jnp.float32,
+    scale_dtype: DTypeLike | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap an optax transformation so that its state is kept as scaled ``dtype`` data.
+
+    ``init`` runs ``inner.init`` and returns its state with every floating leaf turned into a
+    ScaledArray whose data has ``dtype`` (integer leaves, such as Adam's step count, are
+    unchanged; scalar floating leaves keep float32 data). ``update`` widens the state's and
+    the gradients' data to ``compute_dtype``, runs ``inner.update`` with scale propagation,
+    and stores the new state the same way: each floating leaf a ScaledArray again, its data
+    re-centred on unit scale (``rescale``), clipped to the finite range of ``dtype`` and cast
+    to it.
+
+    Call ``init`` outside ``scalify`` (plain or under ``jax.jit``). ``update`` works inside
+    ``scalify`` (the usual case: the whole train step is scalified and
+    jitted) and outside it: given ScaledArray arguments outside scalify, it applies
+    ``scalify`` itself. Plain floating gradients are first given a scale from their RMS (a
+    plain array carries none, and the rules would assume unit scale). Updates come back plain
+    where the gradients were plain, so a plain optax loop (plain float32 parameters and
+    gradients) only changes how its state is stored.
+
+    Args:
+        inner: any optax ``GradientTransformation`` (``optax.adam(1e-3)``, a chain, ...).
+        dtype: the data format of the state: ``jnp.float16`` (default), ``jnp.bfloat16``,
+            ``jnp.float8_e4m3fn``, ... (``jnp.float32`` keeps full precision: the state is
+            then numerically the same as ``inner``'s).
+        rescale: the statistic that re-centres each state leaf's data after every update:
+            ``"l2"`` (RMS, default), ``"max"`` (largest magnitude in ``[1, 2)``: the choice for
+            float8 formats, whose maximum is small), ``"l1"``, or ``None`` (no statistics: the
+            scale follows the rules' static estimates).
+        rescale_grads: also re-centre each incoming gradient (with ``rescale``'s statistic,
+            ``"l2"`` if it is ``None``), for gradient data far from unit scale. It matters
+            most with ``compute_dtype=None``, where e.g. Adam squares float16 gradient data
+            (the scalify paper's FP16-state experiment rescales gradients this way).
+        compute_dtype: the data dtype the inner update computes in (default float32, as a
+            fused kernel would in registers; only storage is narrow), or ``None`` to compute in
+            the stored dtype, as plain optax on a cast state does. Optax's constants then
+            become ``dtype`` values too: Adam's default ``eps=1e-8`` is 0 in float16, and a
+            gradient that is exactly zero gives ``0/0 = NaN``; pass a representable ``eps``.
+        scale_dtype: dtype of the state's scales: float32 (default) or ``jnp.float8_e8m0fnu``.
+
+    Returns:
+        An optax ``GradientTransformationExtraArgs`` (extra arguments of ``update`` are passed
+        to ``inner.update``).
+
+    Example:
+        >>> from jax_scaled.optim import scaled_state
+        >>> import optax
+        >>> opt = scaled_state(optax.adam(1e-3), jnp.float16)
+        >>> params = {"w": jnp.full(4, 0.5)}
+        >>> state = opt.init(params)
+        >>> state[0].nu["w"].dtype, type(state[0].nu["w"]).__name__, state[0].count.dtype
+        (dtype('float16'), 'ScaledArray', dtype('int32'))
+        >>> grads = {"w": jnp.full(4, 2.0**-12, jnp.float32)}  # g^2 = 2^-24: underflows raw fp16
+        >>> updates, state = jax.jit(opt.update)(grads, state)
+        >>> nu = state[0].nu["w"]
+        >>> float(nu.to_array(jnp.float32)[0] / 2.0**-24), nu.data.dtype  # (1 - b2) * g^2
+        (0.0010004043579101562, dtype('float16'))
+        >>> round(float(updates["w"][0]), 6)  # Adam's first step: -lr * sign(g)
+        -0.001
+    """
+    inner = optax.with_extra_args_support(inner)
+    dtype = float_dtype(dtype)
+    compute_dtype = None if compute_dtype is None else float_dtype(compute_dtype)
+    check_rescale(rescale)
+    grad_rescale = (rescale or "l2") if rescale_grads else None
+
+    def init(params: optax.Params) -> optax.OptState:
+        state = call_scaled(inner.init, params)
+        return to_storage(state, dtype, rescale, scale_dtype)
+
+    def traced_update(grads, state, params, extra_args):
+        grads = tree_map(lambda g: _incoming(g, grad_rescale, compute_dtype), grads)
+        state = tree_map(lambda x: _widened(x, compute_dtype), state)
+        updates, new_state = inner.update(grads, state, params, **extra_args)
+        return updates, stored_tree(new_state, dtype, rescale)
+
+    def update(grads, state, params=None, **extra_args):
+        updates, new_state = call_scaled(traced_update, grads, state, params, extra_args)
+        return like_reference(grads, updates), new_state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _widened(x: Any, compute_dtype: jnp.dtype | None) -> Any:
+    """A floating ``x`` with its data cast to at least ``compute_dtype`` (scale kept)."""
+    if compute_dtype is None or not is_float(x):
+        return x
+    return x.astype(wider_dtype(x.dtype, compute_dtype))
+
+
+def _incoming(grad: Any, rescale: str | None, compute_dtype: jnp.dtype | None) -> Any:
+    """A gradient as the inner update sees it: scaled (plain ones at their RMS), rescaled,
+    widened."""
+    if not is_float(grad):
+        return grad
+    return _widened(rescaled(promote_plain(grad), rescale), compute_dtype)
+
+
+def state_bytes(tree: Any) -> int:
+    """Bytes held by the arrays of ``tree``: for a ScaledArray, its data plus its scale.
+
+    Example:
+        >>> from jax_scaled.optim import state_bytes
+        >>> state_bytes({"m": scaled_array(jnp.zeros(8, jnp.float16), 1.0), "n": jnp.int32(0)})
+        24
+    """
+    return sum(_leaf_bytes(leaf) for leaf in tree_leaves(tree))
+
+
+def _leaf_bytes(leaf: Any) -> int:
+    if isinstance(leaf, ScaledArray):
+        return _leaf_bytes(leaf.data) + _leaf_bytes(leaf.scale)
+    if isinstance(leaf, jax.Array) or hasattr(leaf, "nbytes"):
+        return int(leaf.nbytes)
+    return 0
