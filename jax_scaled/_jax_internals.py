@@ -61,6 +61,8 @@ axis_index_p = _parallel.axis_index_p
 reshard_p = getattr(_pjit, "reshard_p", None)  # jax.sharding.reshard
 pvary_p = getattr(_core, "pvary_p", None)  # jax.lax.pcast(..., to="varying")
 
+optimization_barrier_p = _lax_impl.optimization_barrier_p
+
 # Helpers for writing higher-order primitives.
 jaxpr_as_fun = _core.jaxpr_as_fun
 convert_constvars_jaxpr = _pe.convert_constvars_jaxpr  # constvars -> leading invars
@@ -89,6 +91,7 @@ __all__ = [
     "is_unspecified_sharding",
     "jit_p",
     "jaxpr_as_fun",
+    "optimization_barrier_p",
     "convert_constvars_jaxpr",
     "scan_p",
     "while_p",

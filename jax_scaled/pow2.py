@@ -76,8 +76,8 @@ def pow2_exponent(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
         exponent = exponent + (mantissa_bits != 0).astype(jnp.int32)
     elif rounding is Rounding.NEAREST:
         exponent = exponent + (mantissa_bits >= _SQRT2_MANTISSA_BITS).astype(jnp.int32)
-    exponent = jnp.where(biased == 0, MIN_SCALE_EXPONENT, exponent)
-    exponent = jnp.where(biased == 0xFF, 0, exponent)
+    exponent = _select(biased == 0, MIN_SCALE_EXPONENT, exponent)
+    exponent = _select(biased == 0xFF, 0, exponent)
     return lax.clamp(MIN_SCALE_EXPONENT, exponent, MAX_SCALE_EXPONENT)
 
 
@@ -96,7 +96,19 @@ def pow2_round(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
     scale = pow2_from_exponent(pow2_exponent(x, rounding))
     magnitude_bits = _bits(x) & 0x7FFFFFFF  # bit test: subnormals compare equal to 0 on CPU
     finite_nonzero = (magnitude_bits != 0) & (magnitude_bits < 0x7F800000)
-    return jnp.where(finite_nonzero, scale, jnp.float32(1))
+    return _select(finite_nonzero, scale, 1)
+
+
+def _select(condition: jnp.ndarray, on_true, on_false) -> jnp.ndarray:
+    """``jnp.where(condition, on_true, on_false)`` as one ``select_n``, with no nested ``jit``
+    to trace and lower (these helpers run for every scale of a scalified program)."""
+    dtype, shape = jnp.result_type(on_true, on_false), jnp.shape(condition)
+
+    def full(value):
+        value = lax.convert_element_type(value, dtype)
+        return value if value.shape == shape else lax.broadcast_in_dim(value, shape, ())
+
+    return lax.select(condition, full(on_true), full(on_false))
 
 
 def pow2_split(x, rounding: Rounding | str = Rounding.DOWN) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -126,12 +138,12 @@ def _exact_divide_by_pow2(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
     is_subnormal = ((bits >> _MANTISSA_BITS) & 0xFF) == 0
     # A subnormal x is (sign) * m * 2^-149 with integer m < 2^23: rebuild it from its integer
     # mantissa so that no float operation ever sees the subnormal (flushed to zero on CPU).
-    sign = jnp.where((bits >> 31) == 1, jnp.float32(-1), jnp.float32(1))
+    sign = _select((bits >> 31) == 1, jnp.float32(-1), jnp.float32(1))
     integer_mantissa = (bits & ((1 << _MANTISSA_BITS) - 1)).astype(jnp.float32)
     from_subnormal = (
         sign * integer_mantissa * jnp.float32(2.0**-23) * (jnp.float32(2.0**-126) / scale)
     )
-    return jnp.where(is_subnormal, from_subnormal, x / scale)
+    return _select(is_subnormal, from_subnormal, x / scale)
 
 
 def is_pow2(x) -> np.ndarray:

@@ -8,6 +8,7 @@ reference and that every output scale is an exact power of two.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -180,3 +181,68 @@ def check_e8m0_matches(fn: Callable, inputs: Sequence[Any]) -> None:
         if isinstance(b, js.ScaledArray):
             assert b.scale.dtype == jnp.float8_e8m0fnu, b.scale.dtype
         np.testing.assert_array_equal(value64(a), value64(b))
+
+
+# --- whole-function checks: model invariance and low-precision fidelity ----------------------
+
+
+def relative_error(actual: Any, expected: Any) -> float:
+    """``max|actual - expected| / max|expected|`` in float64 (normwise), over finite entries.
+
+    Returns ``inf`` when the two differ in where they are non-finite (or in those values).
+    """
+    got, want = value64(actual).astype(np.float64), np.asarray(expected, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isfinite(got), finite) or not np.array_equal(
+        got[~finite], want[~finite]
+    ):
+        return float("inf")
+    error = np.max(np.abs(got[finite] - want[finite]), initial=0.0)
+    return float(error / max(np.max(np.abs(want[finite]), initial=0.0), 1e-300))
+
+
+def weighted_sum_grad(fn: Callable, inputs: Sequence[Any], seed: int = 1234) -> Callable:
+    """The gradient, w.r.t. every input, of ``sum(fn(*inputs) * w)`` for a fixed random ``w``.
+
+    The same function object is returned for the same ``fn``, input shapes and dtypes, so
+    that jit caches are shared between calls (e.g. the same test at two scales).
+    """
+    return _weighted_sum_grad(fn, tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in inputs), seed)
+
+
+@functools.cache
+def _weighted_sum_grad(fn: Callable, avals: tuple, seed: int) -> Callable:
+    out = jax.eval_shape(fn, *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals])
+    weights = jnp.asarray(random_data(seed, out.shape, out.dtype))
+    return jax.grad(lambda *xs: jnp.sum(fn(*xs) * weights), argnums=tuple(range(len(avals))))
+
+
+@functools.cache
+def scalified_jit(fn: Callable) -> Callable:
+    """``jax.jit(js.scalify(fn))``, one per ``fn`` (compiled once per input signature)."""
+    return jax.jit(js.scalify(fn))
+
+
+def check_model_invariance(fn: Callable, inputs: Sequence[Any], *, rtol: float = 1e-5) -> None:
+    """float32: ``asarray(scalify(f)(as_scaled_array(x)))`` matches ``f(x)`` for ``fn`` and for
+    the gradient of a weighted sum of its output (see :func:`weighted_sum_grad`)."""
+    for f in (fn, weighted_sum_grad(fn, inputs)):
+        expected = jax.jit(f)(*inputs)
+        actual = js.asarray(scalified_jit(f)(*js.as_scaled_array(list(inputs))))
+        for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+            error = relative_error(got, want)
+            assert error <= rtol, f"{'value' if f is fn else 'gradient'} error {error:.3g}"
+
+
+def check_fidelity(fn: Callable, inputs: Sequence[js.ScaledArray], *, tol: float) -> None:
+    """``jit(scalify(fn))`` on scaled (narrow) inputs is within ``tol`` (normwise) of ``fn`` in
+    float64 on the represented values, and its outputs keep the inputs' data dtype."""
+    out = scalified_jit(fn)(*inputs)
+    expected = reference64(fn, *inputs)
+    assert_pow2_scales(out)
+    for got, want in zip(js.tree.tree_leaves(out), jax.tree.leaves(expected), strict=True):
+        if jnp.issubdtype(np.asarray(want).dtype, jnp.floating):
+            assert got.dtype == inputs[0].dtype, (got.dtype, inputs[0].dtype)
+        error = relative_error(got, want)
+        assert error <= tol, f"error {error:.3g} above {tol:.3g}"

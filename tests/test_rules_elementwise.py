@@ -241,3 +241,67 @@ def test_e8m0_bit_identical(data):
     x = data.draw(scaled_arrays((3, 4), jnp.float16, min_exp=-30, max_exp=30))
     y = data.draw(scaled_arrays((3, 4), jnp.float16, min_exp=-30, max_exp=30, low=0.5, high=2))
     check_e8m0_matches(many_rules, [x, y])
+
+
+# --- a uniform selection picks a whole case, data and scale ---------------------------------
+
+
+def uniform_selections(x, y, z, flag):
+    """A 0-d select, and a where whose test is a broadcast scalar (optax's safe_norm)."""
+    return jnp.where(flag, y, z), jnp.where(flag, 1.5, x), jnp.where(jnp.sum(x) > 0, x, 0.25)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@given(data=st.data())
+def test_uniform_selection_is_exact(dtype, data):
+    x = data.draw(scaled_arrays(data.draw(shapes()), dtype))
+    y, z = (data.draw(scaled_arrays((), dtype)) for _ in range(2))
+    flag = jnp.asarray(data.draw(st.booleans()))
+    picked, filled, kept = check_scaled(uniform_selections, [x, y, z, flag], dtype, ulps=0)
+    assert float(picked.scale) == float((y if flag else z).scale)
+    if not flag:  # x is kept at its own scale, however far from the fill's
+        assert float(filled.scale) == float(x.scale)
+    check_e8m0_matches(uniform_selections, [x, y, z, flag])
+
+
+# --- huge constant fills: the constant fits the data format, the tensor keeps its data --------
+
+
+def _fill_floor(fill: float, dtype) -> float:
+    """The scale a constant fill may raise a selection to: its pow2 / the format's headroom."""
+    headroom = 2.0 ** (int(np.log2(float(ml_dtypes.finfo(jnp.dtype(dtype)).max))) // 2)
+    return 2.0 ** np.floor(np.log2(abs(fill))) / headroom
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@given(data=st.data(), kind=st.sampled_from(["finfo_min", "attention", "large"]))
+def test_huge_constant_fill_does_not_flush_the_tensor(dtype, data, kind):
+    x = data.draw(scaled_arrays(data.draw(shapes()), dtype, min_exp=-30, max_exp=30))
+    big = float(ml_dtypes.finfo(jnp.dtype(dtype)).max)
+    fill = {"finfo_min": -big, "attention": -0.7 * big, "large": 2.0**12 * 1.25}[kind]
+    fill = float(np.asarray(fill, dtype))
+
+    def fn(x):
+        full = jnp.full_like(x, fill)
+        return jnp.where(x > 0, x, fill), jnp.minimum(x, fill), jnp.concatenate([x, full])
+
+    scale = max(float(x.scale), _fill_floor(fill, dtype))
+    _, minimum, joined = check_scaled(fn, [x], dtype, ulps=0, atol=resolution(dtype, scale))
+    assert float(minimum.scale) == float(joined.scale) == scale  # (a uniform where differs)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@given(data=st.data())
+def test_total_order_comparisons(dtype, data):
+    """``eq_to``/``lt_to``/``le_to`` (jnp.searchsorted, jnp.interp) on the aligned values."""
+    shape = data.draw(shapes())
+    x = data.draw(scaled_arrays(shape, dtype))
+    twin = data.draw(same_value(x))
+    y = js.ScaledArray(x.data.at[..., 0].set(-0.0).at[..., -1].set(np.nan), x.scale)
+    ops = (lax_primitives.eq_to_p, lax_primitives.lt_to_p, lax_primitives.le_to_p)
+
+    def fn(x, twin, y):
+        return [(op.bind(x, twin), op.bind(y, -y), op.bind(x, y)) for op in ops]
+
+    (eq, lt, le) = check_scaled(fn, [x, twin, y], dtype, expect_scaled=False)
+    assert np.all(eq[0]) and not np.any(lt[0]) and np.all(le[0])

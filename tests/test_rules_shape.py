@@ -102,6 +102,23 @@ def test_concatenate_aligns_to_largest_scale(dtype, data):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_stack_aligns_and_unstack_keeps_the_scale(dtype, data):
+    shape = data.draw(shapes(max_dims=2))
+    x, y = data.draw(scaled_arrays(shape, dtype)), data.draw(scaled_arrays(shape, dtype))
+
+    def fn(x, y):
+        return {"stack": jnp.stack([x, y], axis=-1), "unstack": jnp.unstack(x, axis=0)}
+
+    out = check_named(fn, [x, y], dtype, ulps=1, normwise=True)
+    assert float(out["stack"].scale) == max(float(x.scale), float(y.scale))
+    for i, piece in enumerate(out["unstack"]):  # bit exact, at x's scale
+        assert piece.scale == x.scale
+        np.testing.assert_array_equal(value64(piece), value64(x)[i])
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @given(data=st.data(), value=st.sampled_from([3.0, -0.375, 1e4, -jnp.inf, jnp.nan]))
 def test_pad_nonzero_value(dtype, data, value):
     x = data.draw(scaled_arrays(data.draw(shapes(max_dims=2)), dtype))
@@ -137,3 +154,12 @@ def test_shape_rules_e8m0_bit_identical(data):
         return jnp.pad(joined, 1, constant_values=0.75), jnp.pad(x.T, 2, mode="reflect")
 
     check_e8m0_matches(fn, [x, y])
+
+
+def test_optimization_barrier_keeps_scaled_values():
+    x = js.scaled_array(jnp.array([1.0, -2.0], jnp.float16), 2.0**-20)
+    y = jnp.arange(3.0)
+    out_x, out_y = jax.jit(js.scalify(lambda x, y: jax.lax.optimization_barrier((x, y))))(x, y)
+    assert isinstance(out_x, js.ScaledArray) and float(out_x.scale) == 2.0**-20
+    np.testing.assert_array_equal(out_x.data, x.data)
+    np.testing.assert_array_equal(out_y, y)

@@ -61,8 +61,15 @@ def round_scale(scale: jax.Array) -> jax.Array:
 
 
 def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
-    """Cast a float32 power-of-two ``scale`` to the scale dtype of the inputs ``like``."""
+    """Cast a float32 power-of-two ``scale`` to the scale dtype of the inputs ``like``.
+
+    A traced scale goes through ``optimization_barrier``: XLA then computes it once, instead
+    of copying its whole upstream chain of scalar arithmetic into every fusion that reads
+    it, which grows a deep unrolled network's compiled program quadratically with depth.
+    """
     scale = as_float32(scale)
+    if isinstance(scale, jax.core.Tracer):
+        scale = lax.optimization_barrier(scale)
     dtype = out_scale_dtype(*like)
     if scale.dtype == dtype:
         return scale

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
-from jax_scaled.pow2 import pow2_exponent, pow2_from_exponent
+from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_exponent, pow2_from_exponent
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import (
     Value,
@@ -111,9 +113,42 @@ def stop_gradient_rule(x: ScaledArray, **params) -> ScaledArray:
 # ---------------------------------------------------------------------------------------
 
 
+def _has_static_scale(x: Value) -> bool:
+    """True for a trace-time constant promoted by the interpreter (its scale is numpy)."""
+    return isinstance(x, ScaledArray) and isinstance(x.scale, np.ndarray | np.generic)
+
+
+def _headroom(dtype) -> float:
+    """``2^H``, ``H`` half the binary exponent range above 1 of ``dtype`` (f32: 2^63, f16: 2^7)."""
+    return 2.0 ** (int(math.log2(float(jnp.finfo(dtype).max))) // 2)
+
+
+def align_selection(*xs: Value) -> tuple[list[jax.Array], jax.Array]:
+    """Align the operands of a selection (select_n, max, min, concatenate): ``(datas, scale)``.
+
+    The common scale is the largest scale of the traced operands. A trace-time constant (a
+    mask fill such as ``finfo.min``, a clip bound) needs no unit-scale data, only to fit in
+    the data format: it raises the scale to at most its own scale divided by the format's
+    headroom (:func:`_headroom`), so a huge fill does not flush the other operands to zero.
+
+    Example:
+        >>> fill = ScaledArray(jnp.full(2, -1.5), np.float32(2.0**127))  # a promoted -2.6e38
+        >>> x = ScaledArray(jnp.array([1.0, 2.0]), jnp.float32(1.0))
+        >>> datas, scale = align_selection(fill, x)
+        >>> float(scale), datas[1].tolist()
+        (1.8446744073709552e+19, [5.421010862427522e-20, 1.0842021724855044e-19])
+    """
+    if not any(_has_static_scale(x) for x in xs) or all(_has_static_scale(x) for x in xs):
+        return align(*xs)
+    traced = max_scale([scale_f32(x) for x in xs if not _has_static_scale(x)])
+    floor = max(float(x.scale) / _headroom(x.dtype) for x in xs if _has_static_scale(x))
+    floor = max(floor, 2.0**MIN_SCALE_EXPONENT)
+    return align(*xs, scale=lax.max(traced, jnp.float32(floor)))
+
+
 def _aligned(primitive, *xs: Value, **params) -> ScaledArray:
-    """Apply ``primitive`` to the data of ``xs`` aligned to their largest scale."""
-    datas, scale = align(*xs)
+    """Apply ``primitive`` to the data of ``xs`` aligned by :func:`align_selection`."""
+    datas, scale = align_selection(*xs)
     return ScaledArray(primitive.bind(*datas, **params), make_scale(scale, *xs))
 
 
@@ -129,11 +164,35 @@ def min_rule(x: Value, y: Value, **params) -> ScaledArray:
     return _aligned(lax.min_p, x, y, **params)
 
 
+def _whole_case(which: jax.Array, cases: tuple[Value, ...]) -> ScaledArray:
+    """The case a 0-d ``which`` picks, data and scale together: exact, nothing aligned."""
+    scaled = [as_scaled(c) for c in cases]
+    scale = lax.select_n(which, *[scale_f32(c) for c in scaled])
+    data = lax.select_n(which, *[c.data for c in scaled])
+    return ScaledArray(data, make_scale(scale, *cases))
+
+
 @register_scale_rule(lax.select_n_p)
 def select_n_rule(which: jax.Array, *cases: Value, **params) -> ScaledArray:
-    """Largest case scale: every case aligned to it, then selected."""
-    datas, scale = align(*cases)
-    return ScaledArray(lax.select_n_p.bind(which, *datas, **params), make_scale(scale, *cases))
+    """Largest case scale (constants: see :func:`align_selection`); cases aligned, selected.
+
+    A ``which`` that is 0-d, or uniform at run time when a constant case is mixed with traced
+    ones (``jnp.where(norm <= eps, 1.0, x)``), picks a whole case, data and scale: a value
+    of 2^-30 chosen over a fill of 1 is not flushed to the fill's scale.
+    """
+    if np.ndim(which) == 0:
+        return _whole_case(which, cases)
+    datas, scale = align_selection(*cases)
+    out = ScaledArray(lax.select_n_p.bind(which, *datas, **params), make_scale(scale, *cases))
+    mixed = any(_has_static_scale(c) for c in cases) and not all(map(_has_static_scale, cases))
+    if not mixed or np.size(which) == 0:
+        return out
+    first = which.reshape(-1)[0]
+    uniform = jnp.all(which == first)
+    whole = _whole_case(first, cases)
+    return ScaledArray(
+        lax.select(uniform, whole.data, out.data), lax.select(uniform, whole.scale, out.scale)
+    )
 
 
 @register_scale_rule(lax.clamp_p)
@@ -267,7 +326,9 @@ def _register_comparison(primitive) -> None:
     register_scale_rule(primitive)(rule)
 
 
-for _comparison in (lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p):
+# The *_to primitives compare in IEEE total order (jnp.searchsorted, jnp.interp).
+_TOTAL_ORDER = (lax_primitives.eq_to_p, lax_primitives.lt_to_p, lax_primitives.le_to_p)
+for _comparison in (lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p, *_TOTAL_ORDER):
     _register_comparison(_comparison)
 
 

@@ -8,13 +8,15 @@ overflows; the smaller operands round once into the data format.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_scaled._jax_internals import Primitive, split_p
+from jax_scaled._jax_internals import Primitive, optimization_barrier_p, split_p
 from jax_scaled.array import ScaledArray
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import Value, align, as_scaled, make_scale, scale_f32
+from jax_scaled.rules.elementwise import align_selection
 
 
 def _register_data_movement(primitive: Primitive) -> None:
@@ -42,9 +44,22 @@ for _primitive in (
 
 @register_scale_rule(lax.concatenate_p)
 def concatenate_rule(*xs: Value, **params) -> ScaledArray:
-    """Concatenate the operands aligned to the largest scale."""
-    datas, scale = align(*xs)
+    """Concatenate the operands aligned to the largest scale (constants: ``align_selection``)."""
+    datas, scale = align_selection(*xs)
     return ScaledArray(lax.concatenate_p.bind(*datas, **params), make_scale(scale, *xs))
+
+
+@register_scale_rule(lax.stack_p)
+def stack_rule(*xs: Value, **params) -> ScaledArray:
+    """Stack the operands aligned like concatenate's."""
+    datas, scale = align_selection(*xs)
+    return ScaledArray(lax.stack_p.bind(*datas, **params), make_scale(scale, *xs))
+
+
+@register_scale_rule(lax.unstack_p)
+def unstack_rule(x: ScaledArray, **params) -> list[ScaledArray]:
+    """Unstack the data; every piece keeps the input scale."""
+    return [ScaledArray(d, x.scale) for d in lax.unstack_p.bind(x.data, **params)]
 
 
 if split_p is not None:
@@ -68,3 +83,10 @@ def pad_rule(x: Value, padding_value: Value, **params) -> ScaledArray:
     common = jnp.where(special, scale_f32(x), jnp.maximum(scale_f32(x), scale_f32(value)))
     (data, fill), scale = align(x, value, scale=common)
     return ScaledArray(lax.pad_p.bind(data, fill, **params), make_scale(scale, x, padding_value))
+
+
+@register_scale_rule(optimization_barrier_p)
+def optimization_barrier_rule(*operands: Value) -> list[Value]:
+    """The barrier applies to every data and scale array: one barrier over all of them."""
+    leaves, tree = jax.tree.flatten(list(operands))
+    return jax.tree.unflatten(tree, optimization_barrier_p.bind(*leaves))

@@ -5,16 +5,18 @@ evaluates ``f`` in the compute dtype (float32, or wider for wider data) on the r
 value, never forming ``data * scale`` in a narrow dtype, and re-splits the result at a
 power-of-two output scale estimated from the input scale alone:
 
-* ``exp``, ``exp2``, ``cos``, ``cosh``, ``logistic``, ``erfc``: scale 1 (the result is O(1)
-  for O(1) inputs, whatever the input scale).
-* ``sin``, ``tanh``, ``erf``, ``atan``, ``sinh``, ``tan``, ``expm1``, ``log1p``, ``erf_inv``:
-  ``f(x) ~ x`` near 0, so scale ``min(s, 1)``: tiny inputs keep their full relative precision.
+* ``exp``, ``exp2``, ``cos``, ``cosh``, ``logistic``, ``erfc``, ``acos``, ``acosh``: scale 1
+  (the result is O(1) for O(1) inputs, whatever the input scale).
+* ``sin``, ``tanh``, ``erf``, ``atan``, ``sinh``, ``tan``, ``expm1``, ``log1p``, ``erf_inv``,
+  ``asin``, ``atanh``, ``asinh``: ``f(x) ~ x`` near 0, so scale ``min(s, 1)``: tiny inputs
+  keep their full relative precision.
 * ``log``: ``log(m) + (k + log2 s)·ln2`` from an exact split of the data, scale ``max(1, |ln s|)``.
+* ``lgamma``, ``digamma``, ``polygamma``: their asymptotics at 0 and infinity (see the rules).
 * ``atan2``: scale-invariant in its operands; scale ``min(1, sy/sx)``.
 * ``pow``: ``dx^y · 2^(ex·y)`` with ``sx = 2^ex``; scale ``sx^p`` (see :func:`pow_rule`).
 
-Where the result is bounded (``atan2``, ``erf_inv``) the scale is floored so that the bound
-still fits in the data format.
+Where the result is bounded (``atan2``, ``erf_inv``, ``asin``, ``acos``) the scale is floored
+so that the bound still fits in the data format.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_scaled.array import ScaledArray
-from jax_scaled.pow2 import pow2_exponent, static_pow2_round
+from jax_scaled.pow2 import pow2_exponent, pow2_reciprocal, static_pow2_round
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import (
     as_scaled,
@@ -167,6 +169,78 @@ def expm1_rule(x: Value, **params) -> ScaledArray:
 def log1p_rule(x: Value, **params) -> ScaledArray:
     """log1p: output scale min(s, 1)."""
     return _evaluate(lax.log1p_p, x, _linear, params)
+
+
+@register_scale_rule(lax.asin_p)
+def asin_rule(x: Value, **params) -> ScaledArray:
+    """asin: output scale min(s, 1), floored so that |asin| <= pi/2 fits."""
+    return _evaluate(lax.asin_p, x, _linear, params, bound=math.pi / 2)
+
+
+@register_scale_rule(lax.atanh_p)
+def atanh_rule(x: Value, **params) -> ScaledArray:
+    """atanh: output scale min(s, 1)."""
+    return _evaluate(lax.atanh_p, x, _linear, params)
+
+
+@register_scale_rule(lax.asinh_p)
+def asinh_rule(x: Value, **params) -> ScaledArray:
+    """asinh: output scale min(s, 1) (asinh grows like log |x|: O(1) for large inputs)."""
+    return _evaluate(lax.asinh_p, x, _linear, params)
+
+
+@register_scale_rule(lax.acos_p)
+def acos_rule(x: Value, **params) -> ScaledArray:
+    """acos: output scale 1, floored so that acos <= pi fits."""
+    return _evaluate(lax.acos_p, x, _unit, params, bound=math.pi)
+
+
+@register_scale_rule(lax.acosh_p)
+def acosh_rule(x: Value, **params) -> ScaledArray:
+    """acosh: output scale 1 (acosh grows like log x)."""
+    return _evaluate(lax.acosh_p, x, _unit, params)
+
+
+def _log_of_scale(s: jax.Array) -> jax.Array:
+    """``|ln s|`` for a power-of-two ``s``, exact to float32 rounding."""
+    return jnp.abs(pow2_exponent(s)).astype(jnp.float32) * jnp.float32(math.log(2.0))
+
+
+def _lgamma_estimate(s: jax.Array) -> jax.Array:
+    """lgamma(x) ~ -ln x near 0 and x ln x for large x: ``max(1, |ln s| * max(1, s))``."""
+    return jnp.maximum(_log_of_scale(s) * jnp.maximum(s, 1), 1)
+
+
+def _digamma_estimate(s: jax.Array) -> jax.Array:
+    """digamma(x) ~ -1/x near 0 and ln x for large x: ``1/s`` below 1, ``max(1, ln s)`` above."""
+    return jnp.where(s < 1, pow2_reciprocal(s), jnp.maximum(_log_of_scale(s), 1))
+
+
+@register_scale_rule(lax.lgamma_p)
+def lgamma_rule(x: Value, **params) -> ScaledArray:
+    """lgamma: output scale ``max(1, |ln s| max(1, s))``."""
+    return _evaluate(lax.lgamma_p, x, _lgamma_estimate, params)
+
+
+@register_scale_rule(lax.digamma_p)
+def digamma_rule(x: Value, **params) -> ScaledArray:
+    """digamma: output scale ``1/s`` for ``s < 1``, else ``max(1, ln s)``."""
+    return _evaluate(lax.digamma_p, x, _digamma_estimate, params)
+
+
+def _trigamma_estimate(s: jax.Array) -> jax.Array:
+    """polygamma(1, x) ~ 1/x^2 near 0 and 1/x for large x (capped at the largest scale)."""
+    inverse = pow2_reciprocal(s)
+    return jnp.minimum(jnp.where(s < 1, inverse * inverse, inverse), jnp.float32(2.0**127))
+
+
+@register_scale_rule(lax.polygamma_p)
+def polygamma_rule(m: Value, x: Value, **params) -> ScaledArray:
+    """polygamma(m, x) on the values in float32; output scale that of ``m = 1`` (digamma's
+    derivative, the usual case): ``1/s^2`` for ``s < 1``, else ``1/s``."""
+    x = as_scaled(x)
+    value = lax.polygamma_p.bind(to_compute(m), to_compute(x), **params)
+    return _resplit(value, _trigamma_estimate(scale_f32(x)), x.dtype, x, m)
 
 
 def _scale_exponent(x: ScaledArray) -> jax.Array:

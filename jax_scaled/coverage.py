@@ -1,0 +1,246 @@
+"""Operator coverage: how scalify handles every primitive of the installed JAX.
+
+Generates ``docs/operators.md`` from the rule registry and the interpreter's higher-order
+rules, so the document never drifts from the code::
+
+    python -m jax_scaled.coverage            # rewrite docs/operators.md
+    python -m jax_scaled.coverage --check    # exit 1 if docs/operators.md is out of date
+
+Each primitive gets the status the interpreter would apply to it, in the interpreter's order:
+``interpreted`` (a higher-order rule recurses into its sub-jaxprs), ``rule`` (a scale rule),
+``forwarded`` (its operands are never floating point, so never scaled: it runs untouched) or
+``not supported`` (it can carry floating-point data but has no rule: scalify raises
+NotImplementedError when it meets a ScaledArray input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+
+from jax_scaled import _jax_internals as jxi
+from jax_scaled.interpreter import higher_order_primitives
+from jax_scaled.registry import registered_primitives
+
+INTERPRETED = "interpreted"
+RULE = "rule"
+FORWARDED = "forwarded: never carries floating-point data"
+NOT_SUPPORTED = "not supported"
+STATUSES = (RULE, INTERPRETED, FORWARDED, NOT_SUPPORTED)
+
+DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "operators.md"
+REGENERATE = "python -m jax_scaled.coverage"
+
+_INTEGER_ONLY = "integer or boolean operands only"
+_KEYS_ONLY = "PRNG keys or their uint32 key data only"
+_NO_OPERANDS = "no operands"
+
+# Reviewed classification of the primitives whose operands can never be floating point.
+# A ScaledArray always holds floating-point data (array.py refuses anything else), so these
+# primitives never see a scaled input: the interpreter binds them untouched. Only list a
+# primitive here after checking its dtype rule in jax/_src (a primitive that accepts a float
+# operand, even optionally, belongs in the registry instead). Reviewed for JAX 0.10.2;
+# tests/test_coverage_doc.py checks the entries still exist and spot-checks dtype rules.
+NEVER_FLOAT_OPERANDS: dict[str, str] = {
+    # Bitwise and integer arithmetic (lax.bitwise_*, shifts, population_count, clz, mulhi).
+    "and": _INTEGER_ONLY,
+    "or": _INTEGER_ONLY,
+    "not": _INTEGER_ONLY,
+    "xor": _INTEGER_ONLY,
+    "shift_left": _INTEGER_ONLY,
+    "shift_right_arithmetic": _INTEGER_ONLY,
+    "shift_right_logical": _INTEGER_ONLY,
+    "population_count": _INTEGER_ONLY,
+    "clz": _INTEGER_ONLY,
+    "mulhi": _INTEGER_ONLY,
+    # Reductions of booleans and integers (jnp.all, jnp.any, ...).
+    "reduce_and": _INTEGER_ONLY,
+    "reduce_or": _INTEGER_ONLY,
+    "reduce_xor": _INTEGER_ONLY,
+    # Integer permutations built from LU pivots.
+    "lu_pivots_to_permutation": "int32 pivots only",
+    # Complex-only parts: a float operand is a dtype error (complex data is never scaled).
+    "real": "complex operands only",
+    "imag": "complex operands only",
+    # Pseudo-random number generation: keys in, keys or integer bits out. (random_gamma and
+    # rng_uniform take float operands and are not listed.)
+    "random_bits": _KEYS_ONLY,
+    "random_seed": "integer seed only",
+    "random_split": _KEYS_ONLY,
+    "random_fold_in": _KEYS_ONLY,
+    "random_wrap": _KEYS_ONLY,
+    "random_unwrap": _KEYS_ONLY,
+    "random_clone": _KEYS_ONLY,
+    "threefry2x32": "uint32 counters and keys only",
+    "threefry4x32": "uint32 counters and keys only",
+    "philox2x32": "uint32 counters and keys only",
+    "philox4x32": "uint32 counters and keys only",
+    "iota_2x32_shape": _NO_OPERANDS,
+    "rng_bit_generator": "uint32 key only",
+    # No operands at all: nothing to scale (iota may produce floats; they start unscaled).
+    "iota": _NO_OPERANDS,
+    "axis_index": _NO_OPERANDS,
+    "platform_index": _NO_OPERANDS,
+    "empty": _NO_OPERANDS,
+    "empty2": _NO_OPERANDS,
+    # Ordering tokens of side effects.
+    "create_token": _NO_OPERANDS,
+    "after_all": "tokens only",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimitiveCoverage:
+    """How scalify handles one primitive: its status and the module or reason behind it."""
+
+    name: str
+    status: str
+    detail: str
+
+
+def primitive_status(
+    name: str, rules: dict[str, str], higher_order: dict[str, str]
+) -> tuple[str, str]:
+    """``(status, detail)`` of the primitive ``name``, in the interpreter's order of precedence.
+
+    Example:
+        >>> primitive_status("add", {"add": "jax_scaled.rules.elementwise"}, {})
+        ('rule', 'jax_scaled.rules.elementwise')
+        >>> primitive_status("and", {}, {})
+        ('forwarded: never carries floating-point data', 'integer or boolean operands only')
+    """
+    if name in higher_order:
+        return INTERPRETED, higher_order[name]
+    if name in rules:
+        return RULE, rules[name]
+    if name in NEVER_FLOAT_OPERANDS:
+        return FORWARDED, NEVER_FLOAT_OPERANDS[name]
+    return NOT_SUPPORTED, "no scale rule; a ScaledArray input raises NotImplementedError"
+
+
+def lax_coverage() -> list[PrimitiveCoverage]:
+    """Coverage of every primitive of the installed JAX's lax layer, sorted by name.
+
+    Example:
+        >>> coverage = {c.name: c.status for c in lax_coverage()}
+        >>> coverage["dot_general"], coverage["jit"], coverage["iota"]
+        ('rule', 'interpreted', 'forwarded: never carries floating-point data')
+    """
+    rules, higher_order = registered_primitives(), higher_order_primitives()
+    names = sorted(jxi.all_lax_primitives())
+    return [PrimitiveCoverage(n, *primitive_status(n, rules, higher_order)) for n in names]
+
+
+def own_primitives() -> list[PrimitiveCoverage]:
+    """jax_scaled's own primitives (``set_scaling``, ...): rules on primitives outside lax.
+
+    Example:
+        >>> [c.name for c in own_primitives() if c.name == "set_scaling"]
+        ['set_scaling']
+    """
+    lax_names = set(jxi.all_lax_primitives())
+    rules = registered_primitives()
+    return [
+        PrimitiveCoverage(name, RULE, module)
+        for name, module in sorted(rules.items())
+        if name not in lax_names and module.startswith("jax_scaled.")
+    ]
+
+
+def render_markdown(lax: Sequence[PrimitiveCoverage], own: Sequence[PrimitiveCoverage]) -> str:
+    """The operators document for the given coverage rows (deterministic: rows are sorted).
+
+    Example:
+        >>> text = render_markdown([PrimitiveCoverage("add", RULE, "m")], [])
+        >>> "| `add` | rule | `m` |" in text
+        True
+    """
+    lines = _header(lax) + ["## All lax primitives", ""] + _table(lax)
+    if own:
+        lines += ["", "## jax_scaled's own primitives", "", *_table(own)]
+    return "\n".join(lines) + "\n"
+
+
+def _header(lax: Sequence[PrimitiveCoverage]) -> list[str]:
+    counts = {status: sum(c.status == status for c in lax) for status in STATUSES}
+    unsupported = ", ".join(f"`{c.name}`" for c in lax if c.status == NOT_SUPPORTED)
+    return [
+        "# Operator coverage",
+        "",
+        f"<!-- Generated by `{REGENERATE}`: do not edit by hand. -->",
+        "",
+        f"How `scalify` handles each of the {len(lax)} primitives of the `jax.lax` layer of "
+        f"JAX {jax.__version__} (`jax.extend.core.primitives` and the primitives defined in "
+        "`jax._src.lax` and `jax._src.random`), with the rules registered by "
+        "`import jax_scaled`.",
+        "",
+        "- **rule**: a scale rule (in the module named) runs when an input is a ScaledArray.",
+        "- **interpreted**: a higher-order primitive: scalify interprets its sub-jaxprs and "
+        "re-binds it.",
+        f"- **{FORWARDED}**: its operands are never floating point (integers, booleans, "
+        "PRNG keys, tokens, or none), so never ScaledArrays: it runs untouched.",
+        f"- **{NOT_SUPPORTED}**: it can carry floating-point data but has no rule yet. It runs "
+        "untouched on plain inputs; on a ScaledArray input scalify raises NotImplementedError "
+        "naming it (leave such values unscaled with `jax_scaled.stop_scaling`).",
+        "",
+        "| status | primitives |",
+        "| --- | ---: |",
+        *[f"| {status} | {counts[status]} |" for status in STATUSES],
+        f"| total | {len(lax)} |",
+        "",
+        f"Not supported yet: {unsupported or 'none'}.",
+        "",
+    ]
+
+
+def _table(rows: Sequence[PrimitiveCoverage]) -> list[str]:
+    body = [f"| `{c.name}` | {c.status} | {_detail(c)} |" for c in rows]
+    return ["| primitive | status | handled by / why |", "| --- | --- | --- |", *body]
+
+
+def _detail(c: PrimitiveCoverage) -> str:
+    return f"`{c.detail}`" if c.status in (RULE, INTERPRETED) else c.detail
+
+
+def generate() -> str:
+    """The text of ``docs/operators.md`` for the installed JAX and the registered rules.
+
+    Example:
+        >>> generate().startswith("# Operator coverage")
+        True
+    """
+    return render_markdown(lax_coverage(), own_primitives())
+
+
+def stale_message(path: Path) -> str:
+    """Why the check failed and the command that fixes it."""
+    return f"{path} is out of date with the rule registry. Regenerate it with: {REGENERATE}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write the operators document, or with ``--check`` only compare it; returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="fail if the file is stale")
+    parser.add_argument("--output", type=Path, default=DOC_PATH, help="document path")
+    args = parser.parse_args(argv)
+    text = generate()
+    if args.check:
+        current = args.output.read_text() if args.output.exists() else ""
+        if current != text:
+            print(stale_message(args.output), file=sys.stderr)
+            return 1
+        print(f"{args.output} is up to date.")
+        return 0
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
