@@ -156,3 +156,23 @@ def test_dot_product_attention_matches_jax_nn(exponent, is_causal):
     want64 = reference64(attention, scaled(q), scaled(k), scaled(v))
     assert np.all(np.isfinite(js.asarray(out, jnp.float32)))
     assert_close(out, want64, jnp.float16, ulps=16, normwise=True)
+
+
+GATED = ["gelu_exact", "gelu_tanh", "silu", "swish", "elu", "leaky_relu", "relu"]
+
+
+@pytest.mark.parametrize("name", GATED)
+@given(exponent=st.integers(-24, 24), seed=st.integers(0, 2**16))
+def test_float16_activation_gradients_are_accurate_at_any_scale(name, exponent, seed):
+    """The backward rule keeps the cotangent's scale: no x f'(x) term at the input's scale."""
+    ours, theirs = PAIRS[name]
+    w = jnp.asarray(random_data(seed + 1, (4, 8), jnp.float16))
+
+    def grad(f):
+        return jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32) * w.astype(jnp.float32)))
+
+    x = js.scaled_array(_x(jnp.float16, seed), 2.0**exponent)
+    out = jax.jit(js.scalify(grad(ours)))(x)
+    assert out.dtype == jnp.float16  # plain for relu/leaky_relu: the mask alone depends on x
+    assert_pow2_scales(out)
+    assert_close(out, reference64(grad(theirs), x), jnp.float16, ulps=8, normwise=True)

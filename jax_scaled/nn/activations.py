@@ -11,6 +11,7 @@ The backward pass is propagated automatically (see :mod:`jax_scaled.custom_scale
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -37,17 +38,49 @@ def _gated_rule(gate: Gate) -> Callable[[ScaledArray], ScaledArray]:
     return rule
 
 
-def _gated(gate: Gate) -> custom_scale:
-    """A custom_scale function ``x * gate(x)`` (gate in float32) with the App. C.1 rule."""
+def _gated(gate: Gate) -> Callable[[jax.Array], jax.Array]:
+    """``x * gate(x)`` with the App. C.1 rule on the forward pass and on the backward pass.
+
+    The backward is ``ct * f'(x)`` with ``f' = gate + x gate'`` bounded: under scalify it
+    keeps the cotangent's scale and evaluates ``f'`` in float32 on the represented value, so
+    the ``x gate'(x)`` term, vanishing for large ``|x|``, is never given the input's scale.
+    """
 
     def activation(x: jax.Array) -> jax.Array:
         wide = x.astype(compute_dtype(x.dtype))
         return (wide * gate(wide)).astype(x.dtype)
 
-    activation.__name__ = activation.__qualname__ = gate.__name__.strip("_").replace("_gate", "")
-    function = custom_scale(activation)
-    function.defscale(_gated_rule(gate))
+    forward = custom_scale(activation)
+    forward.defscale(_gated_rule(gate))
+    backward = custom_scale(functools.partial(_gated_backward_body, gate))
+    backward.defscale(functools.partial(_gated_backward_rule, gate))
+
+    @jax.custom_vjp
+    def function(x: jax.Array) -> jax.Array:
+        return forward(x)
+
+    function.defvjp(lambda x: (forward(x), x), lambda x, ct: (backward(x, ct),))
     return function
+
+
+def _derivative(gate: Gate, value: jax.Array) -> jax.Array:
+    """``d/dx (x gate(x))`` elementwise, in float32; 0 where the value is not finite."""
+    ones = jnp.ones_like(value)
+    _, slope = jax.jvp(lambda v: v * gate(v), (value,), (ones,))
+    return jnp.where(jnp.isfinite(slope), slope, 0)
+
+
+def _gated_backward_body(gate: Gate, x: jax.Array, ct: jax.Array) -> jax.Array:
+    wide = compute_dtype(ct.dtype)
+    return (ct.astype(wide) * _derivative(gate, x.astype(wide))).astype(ct.dtype)
+
+
+def _gated_backward_rule(gate: Gate, x: ScaledArray, ct: ScaledArray) -> ScaledArray:
+    x, ct = as_scaled(x), as_scaled(ct)
+    wide = compute_dtype(ct.dtype)
+    value = x.data.astype(wide) * x.scale.astype(wide)
+    data = ct.data.astype(wide) * _derivative(gate, value)
+    return ScaledArray(data.astype(ct.dtype), ct.scale)
 
 
 def _relu_body(x: jax.Array) -> jax.Array:
