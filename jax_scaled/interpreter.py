@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled import estimates
+from jax_scaled import diagnostics, estimates
 from jax_scaled.any_scale import AnyScaleValue
 from jax_scaled.array import ScaledArray, _is_array_like
 from jax_scaled.config import ScalifyConfig, current_config
@@ -205,7 +205,11 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     invals = _promote_inputs(in_slots, eqn.primitive.name)
     with jxi.eqn_user_context(eqn):
         outs = rule(*invals, **eqn.params)
-    return _rule_output_slots(eqn, outs)
+    out_slots = _rule_output_slots(eqn, outs)
+    if diagnostics.is_recording():
+        values = [s.value for s in out_slots]
+        diagnostics.observe(eqn.primitive.name, _source_line(eqn), jxi.eqn_name_stack(eqn), values)
+    return out_slots
 
 
 def _rule_output_slots(eqn: jxi.JaxprEqn, outs: Any) -> list[Slot]:
@@ -360,10 +364,13 @@ def _check_rule_outputs(eqn: jxi.JaxprEqn, outs: list[Value]) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-# Primitives whose output scale is a product of the input scales: a scale-independent
-# operand (zeros, infinities) is promoted at scale 1 there, not at the other operand's
-# scale, so the product keeps the meaningful operand's scale instead of squaring it.
+# Primitives whose output scale is a product of the input scales. A scale-independent
+# operand (zeros, infinities; traced or constant) is promoted there at the scale that puts
+# the product at the smallest normal float32 scale: a zero product (``0 * x``, e.g. a
+# learning rate warming up from 0) then never dominates a later sum's scale, which would
+# otherwise take it as the sum's unit and push the other addend's data towards underflow.
 _MULTIPLICATIVE = {"mul", "div", "dot_general", "conv_general_dilated"}
+_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
 
 def _promote_inputs(in_slots: list[Slot], primitive_name: str = "") -> list[Value]:
@@ -371,8 +378,20 @@ def _promote_inputs(in_slots: list[Slot], primitive_name: str = "") -> list[Valu
     if reference is None:
         return [s.value for s in in_slots]
     if primitive_name in _MULTIPLICATIVE:
-        reference = jnp.ones((), reference.dtype)
+        reference = _zero_factor_scale(reference)
     return [_promote(s, reference) for s in in_slots]
+
+
+def _zero_factor_scale(other_scale: jax.Array) -> jax.Array:
+    """The scale of a scale-free factor whose product with ``other_scale`` is ``2^-126``
+    (within ``[2^-126, 1]``, so that it is a normal number in every scale dtype)."""
+    if isinstance(other_scale, np.ndarray):  # a static scale stays static
+        with np.errstate(divide="ignore"):
+            scale = _SMALLEST_NORMAL / other_scale.astype(np.float32)
+        return np.clip(scale, _SMALLEST_NORMAL, 1.0).astype(other_scale.dtype)
+    scale = jnp.float32(_SMALLEST_NORMAL) / jnp.asarray(other_scale, jnp.float32)
+    scale = jax.lax.clamp(jnp.float32(_SMALLEST_NORMAL), scale, jnp.float32(1.0))
+    return scale.astype(other_scale.dtype)
 
 
 def _promote(slot: Slot, reference_scale: jax.Array) -> Value:
