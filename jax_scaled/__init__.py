@@ -8,7 +8,7 @@ Example:
     4.0
 """
 
-from jax_scaled import nn, ops, optim, tree
+from jax_scaled import diagnostics, nn, ops, optim, tree
 from jax_scaled import rules as _rules  # noqa: F401  (registers the scale rules)
 from jax_scaled.any_scale import ANY_SCALE
 from jax_scaled.array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
@@ -30,6 +30,7 @@ __all__ = [
     "as_scaled_array",
     "asarray",
     "current_config",
+    "diagnostics",
     "custom_scale",
     "get_data_and_scale",
     "is_scaled_leaf",

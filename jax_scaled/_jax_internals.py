@@ -127,6 +127,12 @@ def eqn_source_line(eqn: JaxprEqn) -> str:
     return source_info_util.summarize(eqn.source_info)
 
 
+def eqn_name_stack(eqn: JaxprEqn) -> str:
+    """The full name stack of ``eqn`` where it is being interpreted (e.g. ``transpose(jvp(f))``
+    for an equation of a backward pass)."""
+    return str(source_info_util.current_name_stack() + eqn.source_info.name_stack)
+
+
 @contextlib.contextmanager
 def eqn_user_context(eqn: JaxprEqn):
     """Context in which primitives re-bound for ``eqn`` keep its source info and name stack."""
