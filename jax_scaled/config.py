@@ -23,6 +23,15 @@ class ScalifyConfig:
         scale_dtype: dtype of the scales rules create: ``None`` (default) keeps the dtype of
             the input scales (float32 when there are none), or ``jnp.float32`` /
             ``jnp.float8_e8m0fnu`` to force one.
+        guard: keep narrow data in range (default ``True``). Static scale estimates assume
+            independent terms; correlated ones (a bias gradient summed over a batch,
+            attention logits of a trained model) make the data drift from unit scale, and
+            float16 or float8 data then overflows or underflows. With ``guard``, the rules
+            whose estimate can drift (matmuls, convolutions, sums, powers, narrowing casts)
+            check the largest output datum of a float16/float8 result, and move a power of
+            two into the scale when it leaves the format's comfortable range (one max
+            reduction, fused with the op). Healthy data gives the static result exactly.
+            ``False`` keeps purely static scales.
 
     Use it as a context manager around the call that traces (the first call of a jitted
     function), or pass it to ``scalify(fn, config=...)``:
@@ -35,6 +44,7 @@ class ScalifyConfig:
 
     rounding: Rounding | str = Rounding.DOWN
     scale_dtype: Any = None
+    guard: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "rounding", Rounding(self.rounding))

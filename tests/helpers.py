@@ -246,3 +246,20 @@ def check_fidelity(fn: Callable, inputs: Sequence[js.ScaledArray], *, tol: float
             assert got.dtype == inputs[0].dtype, (got.dtype, inputs[0].dtype)
         error = relative_error(got, want)
         assert error <= tol, f"error {error:.3g} above {tol:.3g}"
+
+
+def assert_static_or_guarded_scale(out: js.ScaledArray, static_scale: float) -> None:
+    """``out`` has the rule's static ``static_scale``, unless its data at that scale lies
+    outside the range guard's band (:class:`jax_scaled.ScalifyConfig`), in which case the
+    guard must have brought it into the band."""
+    from jax_scaled.rules._common import guard_band
+
+    if float(out.scale) == static_scale:
+        return
+    band = guard_band(out.dtype)
+    assert band is not None, (float(out.scale), static_scale)
+    low, high, _ = band
+    unguarded = float(np.max(np.abs(value64(out)))) / static_scale
+    assert not 2.0**low <= unguarded < 2.0**high, (unguarded, band)
+    largest = float(np.max(np.abs(np.asarray(out.data, np.float64))))
+    assert 2.0**low <= largest <= 2.0**high, (largest, band)

@@ -193,11 +193,15 @@ def test_scaled_saturation_clips_the_data_not_the_value(saturate):
     data = jnp.array([1000.0, -1000.0, 3.0, 0.1], jnp.float32)
     x = js.ScaledArray(data, jnp.float32(2.0**-30))  # values far below 448
     cast = functools.partial(ops.reduce_precision_on_forward, dtype=jnp.float8_e4m3fn)
-    y = js.scalify(functools.partial(cast, saturate=saturate))(x)
+    unguarded = js.ScalifyConfig(guard=False)  # the guard would move 2^7 into the scale
+    y = js.scalify(functools.partial(cast, saturate=saturate), config=unguarded)(x)
     assert float(y.scale) == 2.0**-30
     assert_identical(
         y.data, expected(np.asarray(data), jnp.float8_e4m3fn, saturate).astype(np.float32)
     )
+    if not saturate:  # with the default range guard, the data is shifted before the cast
+        guarded = js.scalify(functools.partial(cast, saturate=saturate))(x)
+        np.testing.assert_allclose(js.asarray(guarded), data * 2.0**-30, rtol=2**-3)
 
 
 @pytest.mark.parametrize("op", BACKWARD_OPS)

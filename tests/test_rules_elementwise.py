@@ -20,6 +20,7 @@ from jax import lax
 
 import jax_scaled as js
 from jax_scaled._jax_internals import lax_primitives
+from jax_scaled.rules._common import guard_band
 
 
 def resolution(dtype, scale) -> float:
@@ -203,15 +204,33 @@ NARROW = (jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn)
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @given(data=st.data())
-def test_convert_narrowing_round_trip_keeps_scale(dtype, data):
+def test_convert_narrowing_round_trip_keeps_scale_without_guard(dtype, data):
     x = data.draw(scaled_arrays(data.draw(shapes()), dtype))
-    out = run(lambda x: [(x.astype(n), x.astype(n).astype(dtype)) for n in NARROW], x)
+    with js.ScalifyConfig(guard=False):
+        out = run(lambda x: [(x.astype(n), x.astype(n).astype(dtype)) for n in NARROW], x)
     for narrow, (cast, back) in zip(NARROW, out, strict=True):
         expected = x.data.astype(narrow)
         np.testing.assert_array_equal(np.asarray(cast.data), np.asarray(expected))
         np.testing.assert_array_equal(np.asarray(back.data), np.asarray(expected.astype(dtype)))
         assert float(cast.scale) == float(back.scale) == float(x.scale)
         assert_close(back, value64(x), narrow, ulps=0.5, atol=resolution(narrow, x.scale))
+
+
+@pytest.mark.parametrize("narrow", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+@given(data=st.data())
+def test_guarded_narrowing_cast_keeps_drifted_data_in_range(narrow, data):
+    """float32 data drifted by 2^shift: the guard moves the drift into the scale, so the
+    cast neither overflows nor underflows; data in the band is cast exactly as without it."""
+    x = data.draw(scaled_arrays(data.draw(shapes()), jnp.float32, min_exp=-60, max_exp=60))
+    drift = data.draw(st.integers(-40, 40))
+    drifted = js.ScaledArray(x.data * np.float32(2.0**drift), x.scale * np.float32(2.0**-drift))
+    cast = run(lambda x: x.astype(narrow), drifted)
+    low, high, _ = guard_band(narrow)
+    largest = float(np.max(np.abs(np.asarray(cast.data, np.float32))))
+    assert 2.0**low <= largest <= 2.0**high
+    assert_close(cast, value64(x), narrow, ulps=0.5, normwise=True)
+    if 2.0**low <= float(np.max(np.abs(drifted.data))) < 2.0**high:  # in band: untouched
+        assert float(cast.scale) == float(drifted.scale)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

@@ -24,6 +24,8 @@ from jax_scaled.config import current_config
 from jax_scaled.pow2 import (
     Rounding,
     as_float32,
+    pow2_exponent,
+    pow2_from_exponent,
     pow2_reciprocal,
     pow2_round_positive,
     pow2_round_sqrt,
@@ -191,3 +193,60 @@ def wide_data(x: Value, scale: jax.Array, *, pow2_target: bool = False) -> jax.A
         return x.data.astype(wide)
     ratio = ratio_to_pow2 if pow2_target else safe_ratio
     return x.data.astype(wide) * ratio(own_scale, scale).astype(wide)
+
+
+# ---------------------------------------------------------------------------------------
+# Range guard for narrow data (ScalifyConfig.guard)
+# ---------------------------------------------------------------------------------------
+
+
+def guard_band(dtype) -> tuple[int, int, int] | None:
+    """``(low, high, target)`` exponents of the guard for data of ``dtype``, or None.
+
+    The largest datum ``2^e`` is left alone while ``low <= e < high``; outside, the data is
+    shifted to ``e = target``. None for formats with bfloat16's range or more, for
+    sub-byte formats (float4, float6), and when the guard is off
+    (:class:`~jax_scaled.ScalifyConfig`).
+
+    Example:
+        >>> guard_band(jnp.float16), guard_band(jnp.float8_e4m3fn), guard_band(jnp.float32)
+        ((-8, 12, 3), (-3, 7, 6), None)
+    """
+    info = jnp.finfo(dtype)
+    if not current_config().guard or info.maxexp > 64 or info.bits < 8:
+        return None  # wide formats need no guard; sub-byte ones have no room for a band
+    # 16-bit data may meet another multiplication: keep it near unit scale. 8-bit data goes
+    # into a matmul: use the top of its few bits of range, leaving one binade of headroom.
+    target = (info.maxexp - 1) // 4 if info.bits > 8 else info.maxexp - 3
+    high = max(info.maxexp - 4, target + 1)
+    low = min(info.minexp + (info.maxexp - info.minexp) // 5, target)
+    return low, high, target
+
+
+def guard_shift(wide: jax.Array, dtype) -> jax.Array | None:
+    """The exponent to move from ``wide`` data into its scale before casting it to the narrow
+    ``dtype`` (0 for data in the guard band), or None where no guard applies."""
+    band = guard_band(dtype)
+    if band is None or wide.size == 0:
+        return None
+    low, high, target = band
+    largest = jnp.max(jnp.abs(wide), where=jnp.isfinite(wide), initial=0)
+    exponent = pow2_exponent(largest)
+    outside = (exponent < low) | (exponent >= high)
+    return jnp.where(outside & (largest > 0), exponent - target, 0)
+
+
+def guarded(wide: jax.Array, scale: jax.Array, dtype, *like: Value) -> ScaledArray:
+    """A ScaledArray of ``wide * scale`` (``wide`` in the compute dtype, ``scale`` a float32
+    power of two) with data cast to ``dtype``, range-guarded (:func:`guard_band`).
+
+    Example:
+        >>> x = guarded(jnp.array([2.0**17, 2.0]), jnp.float32(1.0), jnp.float16)
+        >>> x.data.tolist(), float(x.scale)
+        ([8.0, 0.0001220703125], 16384.0)
+    """
+    shift = guard_shift(wide, dtype)
+    if shift is not None:
+        wide = wide * pow2_from_exponent(-shift).astype(wide.dtype)
+        scale = scale * pow2_from_exponent(shift)
+    return ScaledArray(wide.astype(dtype), make_scale(scale, *like))

@@ -20,6 +20,8 @@ from jax_scaled.rules._common import (
     as_scaled,
     compute_dtype,
     from_compute,
+    guard_band,
+    guarded,
     make_scale,
     max_scale,
     rounded_l2_scale,
@@ -239,9 +241,35 @@ def _root_split(x: ScaledArray, n: int) -> tuple[jax.Array, jax.Array]:
 
 @register_scale_rule(lax.integer_pow_p)
 def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
-    """Exact: scale s^y, data d^y (in float32, rounded once)."""
-    data = lax.integer_pow(_wide(x), y).astype(x.dtype)
-    return ScaledArray(data, make_scale(lax.integer_pow(scale_f32(x), y), x))
+    """Exact: scale s^y, data d^y (in float32, rounded once).
+
+    Powers magnify any drift of the data from unit scale (data 300 squares to 90000, past
+    float16's range). With the range guard (:class:`~jax_scaled.ScalifyConfig`), for
+    ``y >= 2`` into float16 or float8, a power of two ``2^t`` is first moved from the data
+    into the scale (value unchanged) whenever the largest ``|d|^y`` would leave the guard
+    band; ``t`` puts ``max |d|`` in ``[1, 2)``. Healthy data gives the static result.
+    """
+    shift = _power_guard_exponent(x, y)
+    wide, scale = _wide(x), scale_f32(x)
+    if shift is not None:
+        wide = wide * pow2_from_exponent(-shift).astype(wide.dtype)
+        scale = scale * pow2_from_exponent(shift)
+    data = lax.integer_pow(wide, y).astype(x.dtype)
+    return ScaledArray(data, make_scale(lax.integer_pow(scale, y), x))
+
+
+def _power_guard_exponent(x: ScaledArray, y: int) -> jax.Array | None:
+    """The exponent ``t`` to move out of the data before raising it to ``y`` (see
+    :func:`integer_pow_rule`), or None where no guard applies."""
+    band = guard_band(x.dtype)
+    if y < 2 or band is None or x.size == 0:
+        return None
+    low, high, _ = band
+    wide = _wide(x)
+    largest = jnp.max(jnp.abs(wide), where=jnp.isfinite(wide), initial=0)
+    exponent = pow2_exponent(largest)
+    outside = (y * exponent >= high) | (y * exponent < low)
+    return jnp.where(outside & (largest > 0), exponent, 0)
 
 
 @register_scale_rule(lax.square_p)
@@ -347,12 +375,17 @@ def is_finite_rule(x: ScaledArray, **params) -> jax.Array:
 def convert_element_type_rule(x: ScaledArray, *, new_dtype, **params) -> Value:
     """Float to float: data cast, scale kept. Else the value (float32) converted, plain.
 
-    A narrowing float cast does not rescale: the data must fit the new format at its scale.
+    A cast into float16 or float8 from a wider format is range-guarded
+    (:class:`~jax_scaled.ScalifyConfig`): data that would overflow or underflow the new
+    format moves a power of two into the scale instead.
     """
     bind = functools.partial(lax.convert_element_type_p.bind, new_dtype=new_dtype, **params)
-    if jnp.issubdtype(new_dtype, jnp.floating):
-        return ScaledArray(bind(x.data), make_scale(scale_f32(x), x))
-    return bind(to_compute(x))
+    if not jnp.issubdtype(new_dtype, jnp.floating):
+        return bind(to_compute(x))
+    narrowing = jnp.finfo(new_dtype).maxexp < jnp.finfo(x.dtype).maxexp
+    if narrowing and guard_band(new_dtype) is not None:
+        return guarded(x.data.astype(compute_dtype(x.dtype)), scale_f32(x), new_dtype, x)
+    return ScaledArray(bind(x.data), make_scale(scale_f32(x), x))
 
 
 @register_scale_rule(lax.bitcast_convert_type_p)

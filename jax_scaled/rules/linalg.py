@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,17 +21,37 @@ from jax.lax import linalg as lax_linalg
 from jax_scaled.array import ScaledArray
 from jax_scaled.pow2 import pow2_exponent, pow2_from_exponent
 from jax_scaled.registry import register_scale_rule
-from jax_scaled.rules._common import Value, as_scaled, make_scale, rescale, scale_f32, sqrt_pow2
+from jax_scaled.rules._common import (
+    Value,
+    as_scaled,
+    guard_band,
+    guarded,
+    make_scale,
+    rescale,
+    scale_f32,
+    sqrt_pow2,
+)
 
 
-def _contract(x: Value, y: Value, contraction_size: int, contract: Callable) -> ScaledArray:
-    """Unit-scaling estimate: a sum of K unit products has scale sqrt(K)."""
+def _contract(
+    x: Value, y: Value, contraction_size: int, contract: Callable, out_dtype: Any
+) -> ScaledArray:
+    """Unit-scaling estimate: a sum of K unit products has scale sqrt(K).
+
+    A narrow (float16, float8) result is accumulated and divided in float32, then cast once
+    with the range guard (:func:`~jax_scaled.rules._common.guarded`).
+    """
     x, y = as_scaled(x), as_scaled(y)
-    out = contract(x.data, y.data)
     sqrt_k = sqrt_pow2(contraction_size)
-    data = (out / jnp.asarray(sqrt_k, out.dtype)) if sqrt_k != 1 else out
     scale = scale_f32(x) * scale_f32(y) * jnp.float32(sqrt_k)
-    return ScaledArray(data, make_scale(scale, x, y))
+    if out_dtype is None:  # the primitive's own choice for these inputs
+        out_dtype = jax.eval_shape(contract, x.data, y.data, None).dtype
+    if guard_band(out_dtype) is None:
+        out = contract(x.data, y.data, out_dtype)
+        data = (out / jnp.asarray(sqrt_k, out.dtype)) if sqrt_k != 1 else out
+        return ScaledArray(data, make_scale(scale, x, y))
+    out = contract(x.data, y.data, jnp.float32)
+    return guarded(out / jnp.float32(sqrt_k), scale, out_dtype, x, y)
 
 
 @register_scale_rule(lax.dot_general_p)
@@ -38,11 +59,14 @@ def dot_general_rule(x: Value, y: Value, *, dimension_numbers, **params) -> Scal
     """Scale ``sx * sy * sqrt(K)``, K the contraction size; data dot of the data / sqrt(K)."""
     (x_contract, _), _ = dimension_numbers
     size = math.prod(x.shape[d] for d in x_contract)
+    out_dtype = params.pop("preferred_element_type", None)
 
-    def contract(a: jax.Array, b: jax.Array) -> jax.Array:
-        return lax.dot_general_p.bind(a, b, dimension_numbers=dimension_numbers, **params)
+    def contract(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+        return lax.dot_general_p.bind(
+            a, b, dimension_numbers=dimension_numbers, preferred_element_type=dtype, **params
+        )
 
-    return _contract(x, y, size, contract)
+    return _contract(x, y, size, contract, out_dtype)
 
 
 @register_scale_rule(lax.conv_general_dilated_p)
@@ -51,11 +75,14 @@ def conv_general_dilated_rule(
 ) -> ScaledArray:
     """Scale ``sl * sr * sqrt(K)``, K = kernel input features (per group) x kernel window."""
     size = math.prod(rhs.shape[d] for d in dimension_numbers.rhs_spec[1:])
+    out_dtype = params.pop("preferred_element_type", None)
 
-    def contract(a: jax.Array, b: jax.Array) -> jax.Array:
-        return lax.conv_general_dilated_p.bind(a, b, dimension_numbers=dimension_numbers, **params)
+    def contract(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+        return lax.conv_general_dilated_p.bind(
+            a, b, dimension_numbers=dimension_numbers, preferred_element_type=dtype, **params
+        )
 
-    return _contract(lhs, rhs, size, contract)
+    return _contract(lhs, rhs, size, contract, out_dtype)
 
 
 @register_scale_rule(lax_linalg.svd_p)

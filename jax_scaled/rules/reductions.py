@@ -25,6 +25,7 @@ from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import (
     compute_dtype,
     from_compute,
+    guarded,
     make_scale,
     round_scale,
     scale_f32,
@@ -62,8 +63,9 @@ def reduce_sum_rule(x: ScaledArray, *, axes: tuple[int, ...], **params) -> Scale
     independent of how XLA fuses the reduction (float16 accumulation order varies).
     """
     wide = lax.reduce_sum_p.bind(x.data.astype(compute_dtype(x.dtype)), axes=axes, **params)
-    out = _sum_like(x, wide, math.prod(x.shape[a] for a in axes))
-    return ScaledArray(out.data.astype(x.dtype), out.scale)
+    sqrt_n = sqrt_pow2(math.prod(x.shape[a] for a in axes))
+    data = wide / jnp.asarray(sqrt_n, wide.dtype) if sqrt_n != 1 else wide
+    return guarded(data, scale_f32(x) * jnp.float32(sqrt_n), x.dtype, x)
 
 
 @register_scale_rule(lax.reduce_max_p)
