@@ -215,7 +215,7 @@ def test_float16_state_is_accurate_where_raw_float16_underflows():
 def test_gradient_rescaling_keeps_squared_gradient_data_in_range(rescale_grads):
     """Scaled float16 gradients whose data sits at 2^-11 (far from unit scale), computed on in
     float16 (``compute_dtype=None``, as in the scalify paper): squaring the data underflows
-    float16 unless the gradients are rescaled first."""
+    float16 unless the gradients are rescaled first or the square's range guard is on."""
     grads = tiny_gradients(exponent=-20)
     scaled_grads = [
         {"w": js.ScaledArray((g["w"] * 2.0**9).astype(jnp.float16), jnp.float32(2.0**-29))}
@@ -226,6 +226,12 @@ def test_gradient_rescaling_keeps_squared_gradient_data_in_range(rescale_grads):
     inner = optax.adam(1e-3)
     opt = optim.scaled_state(inner, jnp.float16, rescale_grads=rescale_grads, compute_dtype=None)
     _, state = run_updates(opt, scaled_grads, params)
+    error = relative_error(state[0].nu["w"], expected_state[0].nu["w"])
+    assert error < 2e-3, error  # rescaled gradients, or the range guard of the square
+    unguarded = jax.jit(js.scalify(opt.update, config=js.ScalifyConfig(guard=False)))
+    state = opt.init(params)
+    for g in scaled_grads:
+        _, state = unguarded(g, state)
     error = relative_error(state[0].nu["w"], expected_state[0].nu["w"])
     if rescale_grads:
         assert error < 2e-3, error
@@ -356,7 +362,7 @@ def test_apply_updates_keeps_each_parameter_representation():
         "plain": js.scaled_array(jnp.full(8, 1.0), 2.0**-6),
         "frozen": None,
     }
-    new = optim.apply_updates(params, updates)
+    new = optim.apply_updates(params, updates, rescale=None)
     assert isinstance(new["scaled"], js.ScaledArray) and new["scaled"].dtype == jnp.float16
     assert float(new["scaled"].scale) == scale  # the parameter's scale, as the add rule keeps it
     want = value64(params["scaled"]) + value64(updates["scaled"])
@@ -364,6 +370,26 @@ def test_apply_updates_keeps_each_parameter_representation():
     assert not isinstance(new["plain"], js.ScaledArray) and new["plain"].dtype == jnp.float32
     np.testing.assert_allclose(new["plain"], np.linspace(-1, 1, 8) + 2.0**-6, rtol=1e-6)
     assert new["frozen"] is params["frozen"]
+
+
+def test_apply_updates_rescales_a_growing_parameter_by_default():
+    """A zero-initialised float16 parameter takes its first update's scale; as updates
+    accumulate, its data grows with its value (the add rule keeps the larger scale) and
+    saturates float16 within 100 steps. The default l2 rescale keeps the data's RMS in
+    [1, 2) and the value right."""
+    step = jax.jit(js.scalify(optim.apply_updates), static_argnames="rescale")
+    update = {"b": js.scaled_array(jnp.linspace(500, 1000, 8, dtype=jnp.float16), 2.0**-30)}
+    want = 100 * np.linspace(500, 1000, 8) * 2.0**-30
+    for rescale in (None, "l2"):
+        params = {"b": js.scaled_array(jnp.zeros(8, jnp.float16), 2.0**-126)}
+        for _ in range(100):
+            params = step(params, update, rescale=rescale)
+        if rescale is None:
+            assert relative_error(params["b"], want) > 0.1
+        else:
+            data = np.asarray(params["b"].data, np.float64)
+            assert 1.0 <= np.sqrt(np.mean(data**2)) < 2.0
+            assert relative_error(params["b"], want) < 2**-5  # 100 float16 roundings
 
 
 def test_apply_updates_casts_and_rescales_on_request():

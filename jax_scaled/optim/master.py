@@ -48,16 +48,19 @@ def apply_updates(
     updates: optax.Updates,
     *,
     dtype: DTypeLike | None = None,
-    rescale: str | None = None,
+    rescale: str | None = "l2",
 ) -> optax.Params:
     """``optax.apply_updates`` for scaled master weights: ``params + updates`` per leaf.
 
     Each new parameter keeps its parameter's representation: a ScaledArray parameter stays a
     ScaledArray (its scale follows the add rule: the parameter's own scale unless the update
     is as large), with data in ``dtype`` (default: the parameter's data dtype, clipped to its
-    finite range); a plain parameter stays plain. ``rescale`` (``"l2"``, ``"max"``, ``"l1"``)
-    re-centres every new parameter's data from its statistics; the default ``None`` relies on
-    the propagated scale, which the scalify paper found sufficient.
+    finite range); a plain parameter stays plain. ``rescale`` (``"l2"`` by default, ``"max"``,
+    ``"l1"``) then re-centres every new scaled parameter's data from its statistics (one
+    reduction per parameter and step). ``None`` relies on the propagated scale alone, as the
+    scalify paper's GPT did; but the add rule only tracks the larger of the two scales, so
+    the data of a parameter that grows (a zero-initialised bias, from its first update on)
+    drifts up with it, and in float16 reaches the format's end within tens of steps.
 
     Use it inside the scalified step, or outside on ScaledArrays (it then applies ``scalify``
     itself). ``None`` updates leave their parameter unchanged, as in optax.
