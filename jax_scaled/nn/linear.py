@@ -7,9 +7,10 @@ choices, independently of any scaling:
 
 * ``x_dtype`` / ``w_dtype``: formats ``x`` and ``w`` are cast to on the forward pass
   (``cast_on_forward``; their gradients come back in their original dtypes);
-* ``grad_dtype``: format the output cotangent is cast to on the backward pass
-  (``cast_on_backward``; the forward pass is untouched);
-* ``preferred_element_type``: accumulation and output format of the matmul.
+* ``grad_dtype``: format the output cotangent is cast to on the backward pass, where it is
+  an operand of both backward matmuls (the forward pass is untouched);
+* ``wgrad_dtype``: format of the weight gradient the backward matmul returns;
+* ``preferred_element_type``: accumulation and output format of the forward matmul.
 
 Without scalify the casts quantise the *values*: anything below the format's smallest
 subnormal (2^-9 for E4M3, 2^-16 for E5M2) flushes to zero and anything above its largest
@@ -20,13 +21,12 @@ the same layer then stays accurate at any magnitude.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-from jax_scaled.ops.casts import cast_on_backward, cast_on_forward
 
 DTypeLike = Any
 
@@ -39,6 +39,7 @@ def linear(
     x_dtype: DTypeLike | None = None,
     w_dtype: DTypeLike | None = None,
     grad_dtype: DTypeLike | None = None,
+    wgrad_dtype: DTypeLike | None = None,
     preferred_element_type: DTypeLike | None = None,
 ) -> jax.Array:
     """``x @ w + b`` with the formats of an FP8 matmul chosen independently.
@@ -53,23 +54,25 @@ def linear(
     operands to float32 and is exact for them). The bias is added after the matmul, in
     the output dtype.
 
-    Backward: the cotangent of the matmul output is cast to ``grad_dtype`` (if given)
-    before it reaches the two backward matmuls; the bias gradient is reduced from the
-    uncast cotangent. The gradients of ``x`` and ``w`` come back in their own dtypes; JAX
-    rounds each one through ``x_dtype`` / ``w_dtype`` on the way (the dtype of the
-    operand it is the gradient of), so keep these dtypes wide enough for the gradients'
-    magnitudes, which scalify does by keeping data near unit scale.
+    Backward, as FP8 training recipes do it: the output cotangent is cast to ``grad_dtype``
+    (if given) and multiplies the *cast* operands of the forward pass, so both backward
+    matmuls are FP8 matmuls too. The input gradient is accumulated in float32 and returned
+    in ``x``'s dtype; the weight gradient is returned in ``wgrad_dtype`` (default: ``w``'s
+    dtype; an 8-bit format halves its memory at the cost of its precision). The casts are
+    straight-through: no further rounding of the gradients. The bias gradient is reduced
+    from the uncast cotangent.
 
-    Accumulation (``preferred_element_type``): the matmul accumulates in, and returns,
-    this dtype. The default is the promoted dtype of ``x`` and ``w`` *before* their casts
-    (float32 in, float32 out: a drop-in replacement for ``x @ w``), or float32 when ``x``
-    or ``w`` is itself an 8-bit float, which is never a useful accumulator.
-
-    With all four dtypes left as None, the layer is exactly ``x @ w + b``.
+    Accumulation (``preferred_element_type``): the forward matmul accumulates in, and
+    returns, this dtype. The default is the promoted dtype of ``x`` and ``w`` *before*
+    their casts (float32 in, float32 out: a drop-in replacement for ``x @ w``), or float32
+    when ``x`` or ``w`` is itself an 8-bit float, which is never a useful accumulator.
+    With all five dtypes left as None, the layer is exactly ``x @ w + b``.
 
     Under :func:`jax_scaled.scalify`, with ScaledArray ``x`` and ``w``, each cast applies
-    to the data only (the scale is kept), so FP8 operands stay within the format's range
-    whatever the magnitudes; the matmul's output scale follows the dot_general rule.
+    to the data only (the scale is kept, unless the range guard of
+    :class:`~jax_scaled.ScalifyConfig` moves a power of two into it), so FP8 operands
+    stay within the format's range whatever the magnitudes; the matmuls' output scales
+    follow the dot_general rule.
 
     Args:
         x: input activations, shape ``(..., K)``.
@@ -79,6 +82,7 @@ def linear(
         w_dtype: forward-pass format of ``w``; None: no cast.
         grad_dtype: backward-pass format of the output cotangent (e.g.
             ``jnp.float8_e5m2``); None: no cast.
+        wgrad_dtype: format of the weight gradient; None: ``w``'s dtype.
         preferred_element_type: accumulation and output dtype of the matmul (see above).
 
     Returns:
@@ -94,16 +98,79 @@ def linear(
         >>> float(js.asarray(y)[0, 0]) * 2**20  # scaled FP8 data: exact
         32.0
     """
-    accumulation = _accumulation_dtype(x, w, preferred_element_type)
-    if x_dtype is not None:
-        x = cast_on_forward(x, x_dtype)
-    if w_dtype is not None:
-        w = cast_on_forward(w, w_dtype)
-    contraction = (((x.ndim - 1,), (0,)), ((), ()))
-    y = lax.dot_general(x, w, contraction, preferred_element_type=accumulation)
-    if grad_dtype is not None:
-        y = cast_on_backward(y, grad_dtype)
+    formats = _Formats(
+        x=jnp.dtype(x.dtype),
+        w=jnp.dtype(w.dtype),
+        x_cast=_dtype_or_none(x_dtype),
+        w_cast=_dtype_or_none(w_dtype),
+        grad=_dtype_or_none(grad_dtype),
+        wgrad=_dtype_or_none(wgrad_dtype) or jnp.dtype(w.dtype),
+        accumulation=_accumulation_dtype(x, w, preferred_element_type),
+    )
+    if formats.x_cast is formats.w_cast is formats.grad is None and formats.wgrad == formats.w:
+        y = lax.dot_general(x, w, _forward_dims(x, w), preferred_element_type=formats.accumulation)
+    else:
+        y = _cast_matmul(x, w, formats)
     return y if b is None else y + b
+
+
+class _Formats(NamedTuple):
+    """The static dtypes of one :func:`linear` call (hashable: a custom_vjp static arg)."""
+
+    x: jnp.dtype
+    w: jnp.dtype
+    x_cast: jnp.dtype | None
+    w_cast: jnp.dtype | None
+    grad: jnp.dtype | None
+    wgrad: jnp.dtype
+    accumulation: jnp.dtype
+
+
+def _dtype_or_none(dtype: DTypeLike | None) -> jnp.dtype | None:
+    return None if dtype is None else jnp.dtype(dtype)
+
+
+def _cast(x: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
+    return x if dtype is None else x.astype(dtype)
+
+
+def _forward_dims(x: jax.Array, w: jax.Array) -> tuple:
+    """``x[..., K] @ w[K, ...]``."""
+    return (((x.ndim - 1,), (0,)), ((), ()))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _cast_matmul(x: jax.Array, w: jax.Array, formats: _Formats) -> jax.Array:
+    return _cast_matmul_fwd(x, w, formats)[0]
+
+
+def _cast_matmul_fwd(x: jax.Array, w: jax.Array, formats: _Formats) -> tuple:
+    xq, wq = _cast(x, formats.x_cast), _cast(w, formats.w_cast)
+    dims = _forward_dims(xq, wq)
+    return lax.dot_general(xq, wq, dims, preferred_element_type=formats.accumulation), (xq, wq)
+
+
+def _cast_matmul_bwd(formats: _Formats, residuals: tuple, cotangent: jax.Array) -> tuple:
+    xq, wq = residuals
+    g = _cast(cotangent, formats.grad)
+    batch = tuple(range(xq.ndim - 1))  # the axes of x before K
+    out = tuple(range(xq.ndim - 1, g.ndim))  # the axes of g from w's output axes
+    dx = lax.dot_general(
+        g, wq, ((out, tuple(range(1, wq.ndim))), ((), ())),
+        preferred_element_type=_wide(formats.x),
+    )  # fmt: skip
+    dw = lax.dot_general(
+        xq, g, ((batch, batch), ((), ())), preferred_element_type=_wide(formats.wgrad)
+    )
+    return dx.astype(formats.x), dw.astype(formats.wgrad)
+
+
+_cast_matmul.defvjp(_cast_matmul_fwd, _cast_matmul_bwd)
+
+
+def _wide(dtype: jnp.dtype) -> jnp.dtype:
+    """An accumulation dtype for a gradient returned in ``dtype``: float32 for 8-bit ones."""
+    return jnp.dtype(jnp.float32) if _is_8bit_float(dtype) else dtype
 
 
 def _accumulation_dtype(x: jax.Array, w: jax.Array, preferred: DTypeLike | None) -> jnp.dtype:
