@@ -39,22 +39,37 @@ COLLECTIVES = {
     "psum_2d": (lambda v: jax.lax.psum(v, ("data", "model")), P("data", "model"), P(), "sum"),
     "pmean": (lambda v: jax.lax.pmean(v, "data"), P("data"), P(), "sum"),
     "psum_scatter": (
-        lambda v: jax.lax.psum_scatter(v, "data", tiled=True), P("data"), P("data"), "sum",
+        lambda v: jax.lax.psum_scatter(v, "data", tiled=True),
+        P("data"),
+        P("data"),
+        "sum",
     ),
     "pmax": (lambda v: jax.lax.pmax(v, "data"), P("data"), P(), "move"),
     "pmin": (lambda v: jax.lax.pmin(v, "data"), P("data"), P(), "move"),
     "all_gather": (
-        lambda v: jax.lax.all_gather(v, "data", axis=1, tiled=True), P("data"), P("data"), "move",
+        lambda v: jax.lax.all_gather(v, "data", axis=1, tiled=True),
+        P("data"),
+        P("data"),
+        "move",
     ),
     "ppermute": (lambda v: jax.lax.ppermute(v, "data", RING), P("data"), P("data"), "move"),
     "ppermute_partial": (  # shard 0 receives nothing: zeros
-        lambda v: jax.lax.ppermute(v, "data", RING[:-1]), P("data"), P("data"), "move",
+        lambda v: jax.lax.ppermute(v, "data", RING[:-1]),
+        P("data"),
+        P("data"),
+        "move",
     ),
     "all_to_all": (
-        lambda v: jax.lax.all_to_all(v, "data", 0, 0, tiled=True), P("data"), P("data"), "move",
+        lambda v: jax.lax.all_to_all(v, "data", 0, 0, tiled=True),
+        P("data"),
+        P("data"),
+        "move",
     ),
     "axis_index": (
-        lambda v: v * jax.lax.axis_index("data").astype(v.dtype), P("data"), P("data"), "mul",
+        lambda v: v * jax.lax.axis_index("data").astype(v.dtype),
+        P("data"),
+        P("data"),
+        "mul",
     ),
 }
 
@@ -345,7 +360,11 @@ def data_parallel_step(params, tokens, targets, check_vma: bool):
 
     specs = (P(), P("data"), P("data"))
     return jax.shard_map(
-        local_step, mesh=MESH, in_specs=specs, out_specs=(P(), P()), axis_names={"data"},
+        local_step,
+        mesh=MESH,
+        in_specs=specs,
+        out_specs=(P(), P()),
+        axis_names={"data"},
         check_vma=check_vma,
     )(params, tokens, targets)
 

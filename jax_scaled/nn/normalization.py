@@ -93,9 +93,7 @@ def layer_norm(
     return _affine(_normalize_scaled(x, float(eps), True), weight, bias)
 
 
-def rms_norm(
-    x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6
-) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array | None = None, *, eps: float = 1e-6) -> jax.Array:
     """RMS normalisation over the last axis, then ``* weight`` when given.
 
     Under scalify the data is normalised directly and the result has scale 1.
