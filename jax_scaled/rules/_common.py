@@ -230,10 +230,15 @@ def guard_shift(wide: jax.Array, dtype) -> jax.Array | None:
     if band is None or wide.size == 0:
         return None
     low, high, target = band
-    largest = jnp.max(jnp.abs(wide), where=jnp.isfinite(wide), initial=0)
-    exponent = pow2_exponent(largest)
+    largest, exponent = largest_finite_exponent(wide)
     outside = (exponent < low) | (exponent >= high)
     return jnp.where(outside & (largest > 0), exponent - target, 0)
+
+
+def largest_finite_exponent(wide: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(m, e)``: the largest finite magnitude in ``wide`` (0 if none) and its exponent."""
+    largest = jnp.max(jnp.abs(wide), where=jnp.isfinite(wide), initial=0)
+    return largest, pow2_exponent(largest)
 
 
 def guarded(wide: jax.Array, scale: jax.Array, dtype, *like: Value) -> ScaledArray:

@@ -22,6 +22,7 @@ from jax_scaled.rules._common import (
     from_compute,
     guard_band,
     guarded,
+    largest_finite_exponent,
     make_scale,
     max_scale,
     rounded_l2_scale,
@@ -265,9 +266,7 @@ def _power_guard_exponent(x: ScaledArray, y: int) -> jax.Array | None:
     if y < 2 or band is None or x.size == 0:
         return None
     low, high, _ = band
-    wide = _wide(x)
-    largest = jnp.max(jnp.abs(wide), where=jnp.isfinite(wide), initial=0)
-    exponent = pow2_exponent(largest)
+    largest, exponent = largest_finite_exponent(_wide(x))
     outside = (y * exponent >= high) | (y * exponent < low)
     return jnp.where(outside & (largest > 0), exponent, 0)
 
