@@ -382,10 +382,12 @@ def _columns(p: Precision) -> list[str]:
     dynamic rescaling, loss scaling."""
     fmt = {F32: "FP32", F16: "FP16"}
     rescaling = ["LayerNorm bwd"] * p.rescale_layernorm_grad + ["grads"] * p.rescale_grads
+    # js.nn.linear returns FP8 weight gradients only with wgrad_dtype set; the model leaves
+    # it at its default, the weight's own (compute) dtype.
     return [
         "FP8" if p.fp8_matmuls else fmt[p.compute_dtype],
         fmt[p.master_dtype],
-        "FP8" if p.fp8_matmuls else fmt[p.compute_dtype],
+        fmt[p.compute_dtype],
         fmt[p.state_dtype],
         " & ".join(rescaling) or "x",
         "dynamic" if p.loss_scaling else "x",
@@ -485,8 +487,9 @@ relative difference from `fp32`'s; *Train loss*: mean of the last 5% of training
 losses; *NaN steps*: steps whose loss or gradients were not finite (for `fp16_loss_scaling`
 these are the skipped steps); *ms/step*: median wall time of a step on a shared machine;
 *State*: bytes of parameters and optimizer state between steps (a ScaledArray counts its
-data and its scale), relative to `fp32`'s. *Weight grads* is the format JAX gives the weight
-gradients (with `js.nn.linear`'s FP8 casts, the E4M3 of the cast weights)."""
+data and its scale), relative to `fp32`'s. *Weight grads* is the format of the weight
+gradients the backward pass produces (`js.nn.linear` computes FP8 products but returns the
+weight gradient in the weight's compute dtype unless `wgrad_dtype` asks for FP8)."""
 
 
 def write_report(directory: str, meta: dict, results: dict, goals: Goals) -> None:
