@@ -374,12 +374,15 @@ _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
 
 def _promote_inputs(in_slots: list[Slot], primitive_name: str = "") -> list[Value]:
-    reference = next((s.value.scale for s in in_slots if s.is_scaled), None)
-    if reference is None:
+    scale = next((s.value.scale for s in in_slots if s.is_scaled), None)
+    if scale is None:
         return [s.value for s in in_slots]
-    if primitive_name in _MULTIPLICATIVE:
-        reference = _zero_factor_scale(reference)
-    return [_promote(s, reference) for s in in_slots]
+    if primitive_name in _MULTIPLICATIVE:  # computed only if a zero operand asks for it
+        reference = functools.cache(lambda: _zero_factor_scale(scale))
+    else:
+        reference = lambda: scale  # noqa: E731
+    scale_dtype = current_config().scale_dtype or scale.dtype
+    return [_promote(s, reference, scale_dtype) for s in in_slots]
 
 
 def _zero_factor_scale(other_scale: jax.Array) -> jax.Array:
@@ -394,16 +397,17 @@ def _zero_factor_scale(other_scale: jax.Array) -> jax.Array:
     return scale.astype(other_scale.dtype)
 
 
-def _promote(slot: Slot, reference_scale: jax.Array) -> Value:
+def _promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) -> Value:
+    """``slot``'s value as a ScaledArray when its static facts allow; ``reference()`` gives the
+    scale for values that are the same at any scale (zeros, infinities, NaNs)."""
     value = slot.value
     no_facts = slot.base is None and slot.constant is None and slot.estimate is None
     no_facts = no_facts and not slot.any_scale
     if slot.is_scaled or no_facts or not jnp.issubdtype(value.dtype, jnp.floating):
         return value
-    scale_dtype = current_config().scale_dtype or reference_scale.dtype
     if slot.is_any_scale:
         # Zeros, infinities and NaNs are the same at any scale: take the other operand's.
-        return ScaledArray(jnp.asarray(value), reference_scale)
+        return ScaledArray(jnp.asarray(value), reference())
     if slot.constant is not None:
         mantissa, scale = static_pow2_split(slot.constant)
         data = jnp.full(np.shape(value), mantissa, value.dtype)  # literals may be TypedFloat
@@ -413,7 +417,7 @@ def _promote(slot: Slot, reference_scale: jax.Array) -> Value:
         mantissa, scale = pow2_split(jnp.asarray(slot.base))
         # A traced zero (or inf, nan) is the same at any scale: take the other operand's.
         any_scale = (mantissa == 0) | ~jnp.isfinite(mantissa)
-        scale = jnp.where(any_scale, reference_scale.astype(jnp.float32), scale)
+        scale = jnp.where(any_scale, reference().astype(jnp.float32), scale)
         data = jnp.broadcast_to(mantissa.astype(value.dtype), value.shape)
         return ScaledArray(data, scale.astype(scale_dtype))
     scale = jnp.asarray(slot.estimate, jnp.float32)

@@ -48,9 +48,18 @@ def as_float32(x) -> jax.Array:
     return jnp.asarray(x, jnp.float32)
 
 
-def pow2_from_exponent(exponent: jnp.ndarray) -> jnp.ndarray:
-    """``2**exponent`` as float32, built from bits; exponent clipped to the normal range."""
-    exponent = lax.clamp(MIN_SCALE_EXPONENT, exponent, MAX_SCALE_EXPONENT)
+def pow2_from_exponent(exponent: jnp.ndarray, clamp: bool = True) -> jnp.ndarray:
+    """``2**exponent`` as float32, built from bits; exponent clipped to the normal range.
+
+    ``clamp=False`` skips the clip for exponents the caller already keeps in ``[-126, 127]``
+    (outside it, the result is garbage).
+
+    Example:
+        >>> float(pow2_from_exponent(jnp.int32(-3))), float(pow2_from_exponent(jnp.int32(500)))
+        (0.125, 1.7014118346046923e+38)
+    """
+    if clamp:
+        exponent = lax.clamp(MIN_SCALE_EXPONENT, exponent, MAX_SCALE_EXPONENT)
     biased = (exponent + _EXPONENT_BIAS).astype(jnp.uint32)
     return lax.bitcast_convert_type(biased << _MANTISSA_BITS, jnp.float32)
 

@@ -96,7 +96,7 @@ def _conform(slot: Slot, signature: Signature) -> Value:
 def _promote_plain(slot: Slot) -> ScaledArray:
     """A plain float value as a ScaledArray, from its static facts (exact: pow2 scales)."""
     smallest = jnp.asarray(2.0**MIN_SCALE_EXPONENT, jnp.float32)  # the scale of zeros
-    promoted = _promote(slot, smallest)
+    promoted = _promote(slot, lambda: smallest, current_config().scale_dtype or jnp.float32)
     if isinstance(promoted, ScaledArray):
         return promoted
     return ScaledArray._trusted(promoted, jnp.ones((), jnp.float32))

@@ -22,11 +22,12 @@ from jax_scaled.rules._common import (
     from_compute,
     guard_band,
     guarded,
-    largest_finite_exponent,
+    largest_biased_exponent,
     make_scale,
     max_scale,
     rounded_l2_scale,
     scale_f32,
+    shift_into_scale,
     to_compute,
     wide_data,
 )
@@ -253,8 +254,7 @@ def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     shift = _power_guard_exponent(x, y)
     wide, scale = _wide(x), scale_f32(x)
     if shift is not None:
-        wide = wide * pow2_from_exponent(-shift).astype(wide.dtype)
-        scale = scale * pow2_from_exponent(shift)
+        wide, scale = shift_into_scale(wide, scale, shift)
     data = lax.integer_pow(wide, y).astype(x.dtype)
     return ScaledArray(data, make_scale(lax.integer_pow(scale, y), x))
 
@@ -266,9 +266,10 @@ def _power_guard_exponent(x: ScaledArray, y: int) -> jax.Array | None:
     if y < 2 or band is None or x.size == 0:
         return None
     low, high, _ = band
-    largest, exponent = largest_finite_exponent(_wide(x))
+    biased = largest_biased_exponent(_wide(x))
+    exponent = lax.clamp(jnp.int32(-126), biased - 127, jnp.int32(126))
     outside = (y * exponent >= high) | (y * exponent < low)
-    return jnp.where(outside & (largest > 0), exponent, 0)
+    return lax.select(outside & (biased > 0), exponent, jnp.int32(0))
 
 
 @register_scale_rule(lax.square_p)
