@@ -30,6 +30,8 @@ JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
 Var = jex_core.Var
 DropVar = jex_core.DropVar
+Tracer = _core.Tracer
+ShapedArray = _core.ShapedArray
 
 jit_p = lax_primitives.jit_p
 custom_jvp_call_p = lax_primitives.custom_jvp_call_p
@@ -73,6 +75,8 @@ source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
 
 __all__ = [
     "ClosedJaxpr",
+    "ShapedArray",
+    "Tracer",
     "DropVar",
     "NOT_MAPPED",
     "Jaxpr",

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_scaled import _jax_internals as jxi
 from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_round, pow2_split
 
 DTypeLike = Any
@@ -87,8 +88,8 @@ class ScaledArray:
         return int(np.prod(self.shape, dtype=np.int64))
 
     @property
-    def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(self.shape, self.dtype)
+    def aval(self) -> jxi.ShapedArray:
+        return jxi.ShapedArray(self.shape, self.dtype)
 
     def to_array(self, dtype: DTypeLike | None = None) -> jax.Array:
         """The represented value ``data * scale``, in ``dtype`` (default: the data dtype).
@@ -151,7 +152,7 @@ def _check_pow2_scale(scale: Any) -> None:
     Traced scales (inside jit or scalify) are not checked: they come from jax_scaled's own
     constructors and rules, which only produce powers of two.
     """
-    if isinstance(scale, jax.core.Tracer):
+    if isinstance(scale, jxi.Tracer):
         return
     values = np.asarray(scale).astype(np.float64)
     mantissa, _ = np.frexp(values)

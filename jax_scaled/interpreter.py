@@ -163,7 +163,7 @@ def interpret_jaxpr(
 
 
 def _constant_slot(value: Any) -> Slot:
-    if isinstance(value, ScaledArray) or isinstance(value, jax.core.Tracer):
+    if isinstance(value, ScaledArray) or isinstance(value, jxi.Tracer):
         return Slot(value)
     if np.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.floating):
         constant = float(value)

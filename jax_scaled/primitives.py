@@ -120,8 +120,8 @@ rebalance_p.def_impl(_set_scaling_impl)
 
 set_scaling_p.def_abstract_eval(lambda x, scale: x)
 rebalance_p.def_abstract_eval(lambda x, factor: x)
-get_data_and_scale_p.def_abstract_eval(lambda x: (x, jax.core.ShapedArray((), jnp.float32)))
-stop_scaling_p.def_abstract_eval(lambda x, *, dtype: jax.core.ShapedArray(x.shape, dtype))
+get_data_and_scale_p.def_abstract_eval(lambda x: (x, jxi.ShapedArray((), jnp.float32)))
+stop_scaling_p.def_abstract_eval(lambda x, *, dtype: jxi.ShapedArray(x.shape, dtype))
 
 jxi.mlir.register_lowering(set_scaling_p, jxi.mlir.lower_fun(_set_scaling_impl, False))
 jxi.mlir.register_lowering(rebalance_p, jxi.mlir.lower_fun(_set_scaling_impl, False))
@@ -152,7 +152,7 @@ def _get_data_and_scale_jvp(primals, tangents):
     data, scale = get_data_and_scale_p.bind(x)
     return (data, scale), (
         tangent,
-        jxi.ad.Zero(jax.core.ShapedArray((), jnp.float32).to_tangent_aval()),
+        jxi.ad.Zero(jxi.ShapedArray((), jnp.float32).to_tangent_aval()),
     )
 
 
@@ -160,7 +160,7 @@ def _stop_scaling_jvp(primals, tangents, *, dtype):
     (x,), (tangent,) = primals, tangents
     out = stop_scaling_p.bind(x, dtype=dtype)
     if type(tangent) is jxi.ad.Zero:
-        return out, jxi.ad.Zero(jax.core.ShapedArray(x.shape, dtype).to_tangent_aval())
+        return out, jxi.ad.Zero(jxi.ShapedArray(x.shape, dtype).to_tangent_aval())
     return out, tangent.astype(dtype)
 
 

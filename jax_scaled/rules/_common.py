@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.pow2 import (
@@ -69,7 +70,7 @@ def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
     it, which grows a deep unrolled network's compiled program quadratically with depth.
     """
     scale = as_float32(scale)
-    if isinstance(scale, jax.core.Tracer):
+    if isinstance(scale, jxi.Tracer):
         scale = lax.optimization_barrier(scale)
     dtype = out_scale_dtype(*like)
     if scale.dtype == dtype:
