@@ -1,6 +1,7 @@
 # jax_scaled developer commands. Needs GNU make, python3 (>= 3.11) with venv, and PyPI access.
 #
-#   make demo    train the digits MLP in fp32 / raw fp16 / scalified fp16 (experiments/digits.py)
+#   make demo    digits MLP (fp32 / raw fp16 / scalified fp16), then a small GPT in four of
+#                Table 3's precisions (experiments/digits.py, experiments/table3.py --demo)
 #   make test    ruff, the test suite (2 workers) and the docstring examples
 #   make bench   scalify overhead benchmark (benchmarks/overhead.py; BENCH_ARGS=--reps 10 ...)
 #   make lint    ruff check only
@@ -18,12 +19,13 @@ PIP := $(PY) -m pip --disable-pip-version-check
 LINT_PATHS := jax_scaled tests benchmarks experiments
 PYTEST_WORKERS ?= 2
 DEMO_ARGS ?= --check 1.0
+TABLE3_DEMO_ARGS ?= --demo
 BENCH_ARGS ?=
 
 .PHONY: help venv demo test lint doctest bench clean
 
 help:
-	@sed -n '1,9p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '1,10p' Makefile | sed 's/^# \{0,1\}//'
 
 # --- environment ------------------------------------------------------------------------
 
@@ -47,6 +49,7 @@ $(VENV)/.installed-experiments: pyproject.toml | $(PY)
 
 demo: $(VENV)/.installed-experiments
 	$(PY) -m experiments.digits $(DEMO_ARGS)
+	$(PY) -m experiments.table3 $(TABLE3_DEMO_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check $(LINT_PATHS)
