@@ -22,7 +22,7 @@ MIN_SCALE_EXPONENT = -126
 MAX_SCALE_EXPONENT = 127
 
 _MANTISSA_BITS = 23
-_EXPONENT_BIAS = 127
+EXPONENT_BIAS = 127  # float32's
 _SQRT2_MANTISSA_BITS = 0x3504F3  # mantissa bits of sqrt(2) in float32
 
 
@@ -48,6 +48,19 @@ def as_float32(x) -> jax.Array:
     return jnp.asarray(x, jnp.float32)
 
 
+def biased_exponent(x: jnp.ndarray) -> jnp.ndarray:
+    """The biased exponent field (int32) of a non-negative float32 ``x``: ``e + 127`` for
+    ``x`` in ``[2^e, 2^(e+1))``, 0 for zeros and subnormals, 255 for inf and NaN. Cheaper
+    than :func:`pow2_exponent` where the caller handles those cases itself.
+
+    Example:
+        >>> int(biased_exponent(jnp.float32(3.0))) - EXPONENT_BIAS
+        1
+    """
+    bits = lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.float32), jnp.int32)
+    return lax.shift_right_logical(bits, jnp.int32(_MANTISSA_BITS))
+
+
 def pow2_from_exponent(exponent: jnp.ndarray, clamp: bool = True) -> jnp.ndarray:
     """``2**exponent`` as float32, built from bits; exponent clipped to the normal range.
 
@@ -60,7 +73,7 @@ def pow2_from_exponent(exponent: jnp.ndarray, clamp: bool = True) -> jnp.ndarray
     """
     if clamp:
         exponent = lax.clamp(MIN_SCALE_EXPONENT, exponent, MAX_SCALE_EXPONENT)
-    biased = (exponent + _EXPONENT_BIAS).astype(jnp.uint32)
+    biased = (exponent + EXPONENT_BIAS).astype(jnp.uint32)
     return lax.bitcast_convert_type(biased << _MANTISSA_BITS, jnp.float32)
 
 
@@ -80,7 +93,7 @@ def pow2_exponent(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
     bits = _bits(jnp.asarray(x))
     biased = ((bits >> _MANTISSA_BITS) & 0xFF).astype(jnp.int32)
     mantissa_bits = bits & ((1 << _MANTISSA_BITS) - 1)
-    exponent = biased - _EXPONENT_BIAS
+    exponent = biased - EXPONENT_BIAS
     if rounding is Rounding.UP:
         exponent = exponent + (mantissa_bits != 0).astype(jnp.int32)
     elif rounding is Rounding.NEAREST:
@@ -260,7 +273,7 @@ def pow2_round_sqrt(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Array:
     """
     rounding = Rounding(rounding)
     bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
-    exponent = lax.shift_right_arithmetic(bits, jnp.int32(_MANTISSA_BITS)) - _EXPONENT_BIAS
+    exponent = lax.shift_right_arithmetic(bits, jnp.int32(_MANTISSA_BITS)) - EXPONENT_BIAS
     if rounding is Rounding.UP:
         inexact = (bits & jnp.int32((1 << _MANTISSA_BITS) - 1)) != 0
         exponent = exponent + inexact.astype(jnp.int32) + 1

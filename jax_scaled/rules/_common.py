@@ -23,8 +23,10 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.pow2 import (
+    EXPONENT_BIAS,
     Rounding,
     as_float32,
+    biased_exponent,
     pow2_from_exponent,
     pow2_reciprocal,
     pow2_round_positive,
@@ -238,12 +240,9 @@ def guard_shift(wide: jax.Array, dtype) -> jax.Array | None:
         return None
     low, high, target = band
     biased = largest_biased_exponent(wide)
-    outside = (biased < low + _BIAS) | (biased >= high + _BIAS)
-    shift = lax.select(outside & (biased > 0), biased - (_BIAS + target), jnp.int32(0))
+    outside = (biased < low + EXPONENT_BIAS) | (biased >= high + EXPONENT_BIAS)
+    shift = lax.select(outside & (biased > 0), biased - (EXPONENT_BIAS + target), jnp.int32(0))
     return lax.clamp(jnp.int32(-126), shift, jnp.int32(126))
-
-
-_BIAS = 127  # float32's exponent bias
 
 
 def largest_biased_exponent(wide: jax.Array) -> jax.Array:
@@ -258,9 +257,7 @@ def largest_biased_exponent(wide: jax.Array) -> jax.Array:
     """
     magnitude = lax.abs(wide)
     magnitude = lax.select(lax.is_finite(wide), magnitude, lax.full_like(magnitude, 0))
-    largest = lax.reduce_max(magnitude, tuple(range(wide.ndim))).astype(jnp.float32)
-    bits = lax.bitcast_convert_type(largest, jnp.int32)
-    return lax.shift_right_logical(bits, jnp.int32(23))
+    return biased_exponent(lax.reduce_max(magnitude, tuple(range(wide.ndim))))
 
 
 def shift_into_scale(

@@ -12,7 +12,7 @@ from jax import lax
 
 from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
-from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_exponent, pow2_from_exponent
+from jax_scaled.pow2 import EXPONENT_BIAS, MIN_SCALE_EXPONENT, pow2_exponent, pow2_from_exponent
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import (
     Value,
@@ -267,7 +267,7 @@ def _power_guard_exponent(x: ScaledArray, y: int) -> jax.Array | None:
         return None
     low, high, _ = band
     biased = largest_biased_exponent(_wide(x))
-    exponent = lax.clamp(jnp.int32(-126), biased - 127, jnp.int32(126))
+    exponent = lax.clamp(jnp.int32(-126), biased - EXPONENT_BIAS, jnp.int32(126))
     outside = (y * exponent >= high) | (y * exponent < low)
     return lax.select(outside & (biased > 0), exponent, jnp.int32(0))
 
