@@ -5,6 +5,7 @@ from jax_scaled.rules import (  # noqa: F401
     collectives,
     control_flow,
     elementwise,
+    factorizations,
     indexing,
     linalg,
     reductions,
