@@ -19,6 +19,7 @@ from jax._src import shard_map as _shard_map
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax_impl
+from jax._src.lax import linalg as _lax_linalg
 from jax._src.lax import parallel as _parallel
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as lax_primitives
@@ -44,6 +45,7 @@ scan_p = lax_primitives.scan_p
 while_p = lax_primitives.while_p
 cond_p = lax_primitives.cond_p
 remat_p = ad_checkpoint.remat_p
+linear_solve_p = lax_primitives.linear_solve_p  # lax.custom_linear_solve
 sharding_constraint_p = lax_primitives.sharding_constraint_p
 device_put_p = lax_primitives.device_put_p
 
@@ -64,6 +66,18 @@ reshard_p = getattr(_pjit, "reshard_p", None)  # jax.sharding.reshard
 pvary_p = getattr(_core, "pvary_p", None)  # jax.lax.pcast(..., to="varying")
 
 optimization_barrier_p = _lax_impl.optimization_barrier_p
+
+# Householder QR primitives that jax.lax.linalg does not export (they appear in programs
+# through jnp.linalg.qr(mode="raw"), jax.scipy.linalg.qr_multiply, slogdet(method="qr")).
+geqrf_p = getattr(_lax_linalg, "geqrf_p", None)
+geqp3_p = getattr(_lax_linalg, "geqp3_p", None)
+
+# Random sampling with a float operand (jax.random.gamma's shape parameter).
+random_gamma_p = getattr(lax_primitives, "random_gamma_p", None)
+
+# Contractions without a public primitive object.
+ragged_dot_general_p = getattr(_lax_impl, "ragged_dot_general_p", None)  # lax.ragged_dot_general
+scaled_dot_p = getattr(importlib.import_module("jax._src.lax.scaled_dot"), "scaled_dot_p", None)
 
 # Helpers for writing higher-order primitives.
 jaxpr_as_fun = _core.jaxpr_as_fun
@@ -96,11 +110,17 @@ __all__ = [
     "jit_p",
     "jaxpr_as_fun",
     "optimization_barrier_p",
+    "geqrf_p",
+    "geqp3_p",
     "convert_constvars_jaxpr",
     "scan_p",
     "while_p",
     "cond_p",
     "remat_p",
+    "linear_solve_p",
+    "ragged_dot_general_p",
+    "random_gamma_p",
+    "scaled_dot_p",
     "sharding_constraint_p",
     "device_put_p",
     "shard_map_p",

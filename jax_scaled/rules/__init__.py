@@ -10,5 +10,6 @@ from jax_scaled.rules import (  # noqa: F401
     linalg,
     reductions,
     shape,
+    special,
     transcendental,
 )
