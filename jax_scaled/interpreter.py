@@ -469,6 +469,23 @@ register_higher_order_rule(jxi.custom_vjp_call_p)(_inline_call("call_jaxpr"))
 register_higher_order_rule(jxi.closed_call_p)(_inline_call("call_jaxpr"))
 
 
+@register_higher_order_rule(jxi.linear_solve_p)
+def _linear_solve_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
+    """``lax.custom_linear_solve``: the user's ``solve`` is interpreted in place on ``b``.
+
+    Operands are the constants of ``matvec``, ``vecmat``, ``solve`` and ``transpose_solve``
+    (``const_lengths`` of each), then ``b``. As for custom derivatives, the implicit
+    differentiation rules only matter where ``jax.grad`` is traced inside scalify, and the
+    input jaxpr already holds their result there (solves with the transposed system).
+    """
+    lengths = eqn.params["const_lengths"]
+    starts = np.cumsum([0, *lengths])
+    solve_index = lengths._fields.index("solve")
+    solve_consts = in_slots[starts[solve_index] : starts[solve_index + 1]]
+    b = in_slots[starts[-1] :]
+    return _interpret_closed(eqn.params["jaxprs"].solve, [*solve_consts, *b])
+
+
 @register_higher_order_rule(jxi.jit_p)
 def _jit_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     """Re-bind a nested ``jit`` through ``jax.jit``, keeping its name, donation and shardings."""

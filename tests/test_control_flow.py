@@ -189,6 +189,50 @@ def test_while_loop_float16_fidelity(exponent):
     np.testing.assert_allclose(value64(out), np.sqrt(a) * 2.0 ** (exponent / 2), rtol=1e-2)
 
 
+# -- custom_linear_solve: the user's solve, iterative (cg) or direct ----------------------------
+
+
+def spd_matrix(seed: int) -> jax.Array:
+    a = normal(seed, (N, N))
+    return a @ a.T + N * jnp.eye(N)  # well conditioned
+
+
+def cg_solve(m, b):
+    """Conjugate gradients (``custom_linear_solve`` around a ``while_loop``)."""
+    return jax.scipy.sparse.linalg.cg(lambda v: m @ v, b, tol=1e-6)[0]
+
+
+def cholesky_linear_solve(m, b):
+    """``custom_linear_solve`` with a direct solve: differentiable through its custom rule."""
+
+    def solve(_, rhs):
+        return jax.scipy.linalg.solve(m, rhs, assume_a="pos")
+
+    return lax.custom_linear_solve(lambda v: m @ v, b, solve, solve, symmetric=True)
+
+
+def test_custom_linear_solve_invariance():
+    m, b = spd_matrix(17), normal(18, (N,))
+    check_invariance(cg_solve, m, b, jit=False)
+    check_invariance(cholesky_linear_solve, m, b)
+    # Reverse mode traced inside scalify: the transposed solve of the custom rule runs.
+    loss = lambda m, b: jnp.sum(cholesky_linear_solve(m, b) ** 2)  # noqa: E731
+    check_invariance(jax.grad(loss, argnums=(0, 1)), m, b)
+
+
+@pytest.mark.parametrize("exponent", EXPONENTS)
+def test_custom_linear_solve_float16_fidelity(exponent):
+    """float16 ``b`` at ``2^e``, outside float16's range (``m`` is float32: LAPACK has no
+    float16 solves): the solution keeps the scale, within float16 roundings of float64."""
+    m = js.ScaledArray(spd_matrix(17), jnp.float32(1.0))
+    b = scaled16(normal(18, (N,)), exponent)
+    out = jax.jit(js.scalify(cholesky_linear_solve))(m, b)
+    assert_pow2_scales(out)
+    assert float(out.scale) == 2.0**exponent
+    want = reference64(cholesky_linear_solve, m, b)
+    assert_close(out, want, jnp.float16, ulps=32, normwise=True)
+
+
 # -- scan options: reverse, unroll, length without xs, stacked scales ----------------------------
 
 
