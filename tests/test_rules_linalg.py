@@ -4,6 +4,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import (
     FLOAT_DTYPES,
@@ -242,3 +243,45 @@ def test_factorizations_are_exact_in_the_scale(data, n):
     out = check_scaled(factorizations, [spd, a, b], jnp.float32, ulps=256, normwise=True)
     assert float(out["eigenvalues"].scale) == float(spd.scale)
     assert float(out["cholesky"].scale) ** 2 in (float(spd.scale), float(spd.scale) / 2)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data(), groups=st.lists(st.integers(0, 4), min_size=1, max_size=3))
+def test_ragged_dot(dtype, data, groups):
+    """Rows of ``lhs`` in consecutive groups, each multiplied by its group's ``rhs``."""
+    k, n = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 4))
+    lhs = data.draw(scaled_arrays((sum(groups), k), dtype))
+    rhs = data.draw(scaled_arrays((len(groups), k, n), dtype))
+    group_sizes = jnp.asarray(groups, jnp.int32)
+    out = check_scaled(
+        lambda x, y: lax.ragged_dot(x, y, group_sizes),
+        [lhs, rhs],
+        dtype,
+        ulps=_ulps(k),
+        normwise=True,
+    )
+    assert out.dtype == dtype
+    assert_static_or_guarded_scale(out, float(lhs.scale) * float(rhs.scale) * _pow2_sqrt(k))
+
+
+@few
+@given(data=st.data())
+def test_scaled_dot_keeps_block_scales_with_the_data(data):
+    """MX-style block-scaled float8 dot: per-block E8M0 scales stay in the data path, the
+    ScaledArrays' own scales (and a scaled block-scale operand's) go to the output scale."""
+    m, k, n, block = 3, 64, 2, 32
+    lhs = data.draw(scaled_arrays((m, k), jnp.float8_e4m3fn))
+    rhs = data.draw(scaled_arrays((k, n), jnp.float8_e4m3fn))
+    exponents = st.lists(st.integers(-4, 4), min_size=m * k // block, max_size=m * k // block)
+    lhs_blocks = jnp.asarray(2.0 ** np.array(data.draw(exponents)), jnp.float8_e8m0fnu)
+    rhs_blocks = js.ScaledArray(
+        jnp.full((k // block, n), 0.5, jnp.float8_e8m0fnu), jnp.float32(2.0**-7)
+    )
+
+    def fn(x, y, xs, ys):
+        return lax.scaled_dot(x, y, lhs_scale=xs, rhs_scale=ys, preferred_element_type=jnp.float32)
+
+    args = [lhs, rhs, lhs_blocks.reshape(m, k // block), rhs_blocks]
+    out = check_scaled(fn, args, jnp.float32, ulps=_ulps(k), normwise=True)
+    assert float(out.scale) == float(lhs.scale) * float(rhs.scale) * 2.0**-7 * _pow2_sqrt(k)

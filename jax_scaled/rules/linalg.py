@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import (
@@ -76,3 +77,68 @@ def conv_general_dilated_rule(
         )
 
     return _contract(lhs, rhs, size, contract, out_dtype)
+
+
+def _with_scale_of(x: Value, block_scale: Value) -> tuple[ScaledArray, jax.Array]:
+    """``x`` with the scalar scale of its block scales folded in, and the block scales' data.
+
+    ``x * block_scale`` is unchanged: a ScaledArray of block scales contributes its own
+    (power-of-two) scale to ``x``'s, and its data becomes the block scales bound.
+    """
+    x, block_scale = as_scaled(x), as_scaled(block_scale)
+    scale = scale_f32(x) * scale_f32(block_scale)
+    return ScaledArray(x.data, scale), block_scale.data
+
+
+if jxi.ragged_dot_general_p is not None:
+
+    @register_scale_rule(jxi.ragged_dot_general_p)
+    def ragged_dot_general_rule(
+        lhs: Value, rhs: Value, group_sizes: jax.Array, *, ragged_dot_dimension_numbers, **params
+    ) -> ScaledArray:
+        """As ``dot_general``: scale ``sl * sr * sqrt(K)``, K the full contraction size (each
+        group contracts at most K terms); ``group_sizes`` (integers) passes through."""
+        (lhs_contract, _), _ = ragged_dot_dimension_numbers.dot_dimension_numbers
+        size = math.prod(lhs.shape[d] for d in lhs_contract)
+        out_dtype = params.pop("preferred_element_type", None)
+
+        def contract(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+            return jxi.ragged_dot_general_p.bind(
+                a,
+                b,
+                group_sizes,
+                ragged_dot_dimension_numbers=ragged_dot_dimension_numbers,
+                preferred_element_type=dtype,
+                **params,
+            )
+
+        return _contract(lhs, rhs, size, contract, out_dtype)
+
+
+if jxi.scaled_dot_p is not None:
+
+    @register_scale_rule(jxi.scaled_dot_p)
+    def scaled_dot_rule(
+        lhs: Value, rhs: Value, lhs_scale: Value, rhs_scale: Value, *, dimension_numbers, **params
+    ) -> ScaledArray:
+        """Block-scaled dot (``lax.scaled_dot``, MX formats): the block scales stay with the
+        data, each operand's scalar scale (times its block scales' own, if scaled) goes to the
+        output: scale ``sl * sr * sqrt(K)`` as for ``dot_general``."""
+        (lhs_contract, _), _ = dimension_numbers
+        size = math.prod(lhs.shape[d] for d in lhs_contract)
+        out_dtype = params.pop("preferred_element_type", None)
+        lhs, lhs_blocks = _with_scale_of(lhs, lhs_scale)
+        rhs, rhs_blocks = _with_scale_of(rhs, rhs_scale)
+
+        def contract(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+            return jxi.scaled_dot_p.bind(
+                a,
+                b,
+                lhs_blocks,
+                rhs_blocks,
+                dimension_numbers=dimension_numbers,
+                preferred_element_type=dtype,
+                **params,
+            )
+
+        return _contract(lhs, rhs, size, contract, out_dtype)
