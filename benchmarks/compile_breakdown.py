@@ -1,0 +1,103 @@
+"""Where the first call of the MLP train step of ``overhead.py`` spends its time.
+
+    python benchmarks/compile_breakdown.py                  # defaults: --reps 3
+    python benchmarks/compile_breakdown.py --dtypes float16 --reps 5
+
+For each dtype it times, fresh each repetition, the trace, the lowering and the XLA
+compilation of three programs: the plain step (``jax.jit(step)``), the scalified step without
+the range guard (``ScalifyConfig(guard=False)``) and the scalified step as users get it
+(guard on). Beside the medians it counts the jaxpr equations, the HLO instructions of the
+compiled program, and its kernels: the fusions, dots and custom calls of the entry
+computation, each compiled separately by XLA, and how many of them compute a single scalar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import overhead
+
+import jax_scaled as js
+
+VARIANTS = {
+    "plain": None,
+    "scalified, no guard": js.ScalifyConfig(guard=False),
+    "scalified": js.ScalifyConfig(),
+}
+KERNEL = re.compile(r"= (\S+) (fusion|dot|custom-call)\(")
+
+
+def kernel_counts(hlo_text: str) -> tuple[int, int]:
+    """``(kernels, scalar kernels)`` of the entry computation of a compiled HLO module."""
+    entry = hlo_text[hlo_text.index("ENTRY") :]
+    shapes = [m.group(1) for m in KERNEL.finditer(entry)]
+    return len(shapes), sum(1 for s in shapes if s.endswith("[]"))
+
+
+def measure(dtype, variant: str) -> dict[str, float]:
+    """Seconds to trace, lower and compile one fresh step; sizes of what each produced."""
+    step, _ = overhead.make_step()
+    config = VARIANTS[variant]
+    fn = step if config is None else js.scalify(step, config=config)
+    args = overhead.make_inputs(dtype, scaled=config is not None)
+    start = time.perf_counter()
+    traced = jax.jit(fn).trace(*args)
+    traced_at = time.perf_counter()
+    lowered = traced.lower()
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    compiled_at = time.perf_counter()
+    text = compiled.as_text()
+    kernels, scalar_kernels = kernel_counts(text)
+    return {
+        "trace": traced_at - start,
+        "lower": lowered_at - traced_at,
+        "compile": compiled_at - lowered_at,
+        "eqns": len(traced.jaxpr.jaxpr.eqns),
+        "hlo": sum(1 for line in text.splitlines() if " = " in line),
+        "kernels": kernels,
+        "scalar": scalar_kernels,
+    }
+
+
+def run(dtypes: Sequence[str], reps: int) -> list[tuple[str, str, dict]]:
+    measure(jnp.dtype(dtypes[0]), "plain")  # warm JAX's own caches once, untimed
+    rows = []
+    for dtype in dtypes:
+        samples = {v: [measure(jnp.dtype(dtype), v) for _ in range(reps)] for v in VARIANTS}
+        for variant, runs in samples.items():
+            medians = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            rows.append((dtype, variant, medians))
+    return rows
+
+
+def format_table(rows: list[tuple[str, str, dict]]) -> str:
+    header = ("dtype", "program", "trace s", "lower s", "compile s", "jaxpr eqns", "HLO instrs",
+              "kernels", "scalar kernels")  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for dtype, variant, m in rows:
+        times = [f"{m[k]:.3f}" for k in ("trace", "lower", "compile")]
+        counts = [f"{m[k]:.0f}" for k in ("eqns", "hlo", "kernels", "scalar")]
+        cells = (dtype, variant, *times, *counts)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=3, help="fresh programs per variant")
+    parser.add_argument("--dtypes", default="float32,float16", help="comma-separated dtypes")
+    args = parser.parse_args(argv)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    print(format_table(run(dtypes, args.reps)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
