@@ -81,6 +81,8 @@ def test_writes_align_operand_and_updates(dtype, data):
             "slice_set": x.at[:k].set(u),
             "add": x.at[repeats].add(u),
             "add_into_zeros": jnp.zeros_like(x).at[repeats].add(u),
+            "subtract": x.at[repeats].subtract(u),  # scatter-sub
+            "subtract_from_zeros": jnp.zeros_like(x).at[repeats].subtract(u),
             "min": x.at[repeats].min(u),
             "max": x.at[repeats].max(u),
             "multiply": x.at[repeats].multiply(factor),
@@ -97,6 +99,8 @@ def test_writes_align_operand_and_updates(dtype, data):
     largest = max([1.5, abs(fill)] + [np.max(np.abs(value64(v))) for v in (x, u, plain)])
     out = check_named(fn, inputs, dtype, ulps=k + 1, atol=(k + 1) * eps(dtype) * largest)
     assert out["add_into_zeros"].scale == u.scale  # a zero operand takes any scale
+    assert out["subtract_from_zeros"].scale == u.scale
+    assert out["subtract"].scale == max(x.scale, u.scale)  # sqrt(so^2 + su^2), rounded down
     assert out["gather_transpose"].scale == u.scale
     assert out["set"].scale == max(x.scale, u.scale)
 
@@ -138,6 +142,7 @@ def test_indexing_rules_e8m0_bit_identical(data):
     def fn(x, u):
         gathered = jnp.take(x, idx, axis=0, mode="fill", fill_value=7.0)
         added = x.at[idx[:2]].add(u)
-        return gathered, added, lax.dynamic_update_slice(added, u, (1, 0))
+        subtracted = x.at[idx[1:]].subtract(u)
+        return gathered, added, subtracted, lax.dynamic_update_slice(added, u, (1, 0))
 
     check_e8m0_matches(fn, [x, u])

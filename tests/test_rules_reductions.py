@@ -7,7 +7,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FLOAT_DTYPES, check_e8m0_matches, check_scaled, scaled_arrays, shapes
+from helpers import (
+    FLOAT_DTYPES,
+    assert_close,
+    assert_pow2_scales,
+    assert_static_or_guarded_scale,
+    check_e8m0_matches,
+    check_scaled,
+    reference64,
+    scaled_arrays,
+    shapes,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -208,6 +218,184 @@ def test_top_k(dtype, data):
     assert not isinstance(indices, js.ScaledArray)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_approx_max_min_k(dtype, data):
+    shape = data.draw(shapes())
+    k = data.draw(st.integers(1, shape[-1]))
+    x = data.draw(scaled_arrays(shape, dtype))
+    fn = lambda x: (lax.approx_max_k(x, k), lax.approx_min_k(x, k))  # noqa: E731
+    outs = check_scaled(fn, [x], dtype, ulps=0)
+    for values, indices in outs:
+        assert float(values.scale) == float(x.scale)
+        assert not isinstance(indices, js.ScaledArray)
+
+
+def _check_each(fn, inputs, dtype, tolerances: dict) -> dict:
+    """``check_scaled`` for a function returning a dict, with a tolerance per key."""
+    out = jax.jit(js.scalify(fn))(*inputs)
+    expected = reference64(fn, *inputs)
+    assert_pow2_scales(out)
+    for name, tolerance in tolerances.items():
+        for got, want in zip(js.tree.tree_leaves(out[name]), jax.tree.leaves(expected[name])):
+            if jnp.issubdtype(want.dtype, jnp.floating):
+                assert isinstance(got, js.ScaledArray) and got.dtype == dtype, (name, got)
+            try:
+                assert_close(got, want, dtype, **tolerance)
+            except AssertionError as error:
+                raise AssertionError(f"output {name!r}: {error}") from error
+    return out
+
+
+def _max_with_payload(a, b):
+    """Largest key (lowest index on ties) with its payload: a selecting computation."""
+    (key_a, payload_a, index_a), (key_b, payload_b, index_b) = a, b
+    take = (key_a > key_b) | ((key_a == key_b) & (index_a < index_b))
+    pick = lambda u, v: jnp.where(take, u, v)  # noqa: E731
+    return pick(key_a, key_b), pick(payload_a, payload_b), pick(index_a, index_b)
+
+
+def _product_and_sum(a, b):
+    """Multiplies one lane and adds the other: computed on the represented values."""
+    return a[0] * b[0], a[1] + b[1]
+
+
+def _zero_one(x) -> tuple:
+    return jnp.zeros((), x.dtype), jnp.ones((), x.dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_reduce_with_a_computation(dtype, data):
+    """Generic ``lax.reduce``: a selecting computation keeps each lane's scale (bit exact), an
+    adding one takes ``s * sqrt(N)``, any other runs on the represented values in float32."""
+    shape = data.draw(shapes(min_dims=2, max_side=4))
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    n = shape[axis]
+    x, y = data.draw(scaled_arrays(shape, dtype)), data.draw(scaled_arrays(shape, dtype))
+    # Positive factors and terms, |log2 s| <= 20: products of n <= 4 values stay in range.
+    positive = dict(min_exp=-20, max_exp=20, low=0.5, high=2.0)
+    p, q = (
+        data.draw(scaled_arrays(shape, dtype, **positive)),
+        data.draw(scaled_arrays(shape, dtype, **positive)),
+    )
+    index = lax.broadcasted_iota(jnp.int32, shape, axis)
+
+    def fn(x, y, p, q, index):
+        zero, one = _zero_one(x)
+        lowest = jnp.array(-jnp.inf, x.dtype)
+        return {
+            "select": lax.reduce(
+                (x, y, index), (lowest, zero, jnp.int32(2**30)), _max_with_payload, [axis]
+            ),
+            "add": lax.reduce(x, zero, lambda a, b: a + b, [axis]),
+            "values": lax.reduce((p, q), (one, zero), _product_and_sum, [axis]),
+        }
+
+    out = _check_each(
+        fn,
+        [x, y, p, q, index],
+        dtype,
+        {
+            "select": dict(ulps=0),
+            "add": dict(ulps=_sum_ulps(n), normwise=True),
+            "values": dict(ulps=n + 2),  # n float32 roundings, then one into dtype
+        },
+    )
+    key, payload, _ = out["select"]
+    assert (key.scale, payload.scale) == (x.scale, y.scale)  # the lanes are not mixed
+    sqrt_n = 2.0 ** math.floor(math.log2(math.sqrt(n)))
+    assert float(out["add"].scale) == float(x.scale) * sqrt_n
+    for value in out["values"]:
+        assert_static_or_guarded_scale(value, 1.0)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_reduce_window_with_a_computation(dtype, data):
+    """Generic ``lax.reduce_window`` (computations other than ``lax.add/max/min``)."""
+    shape = data.draw(shapes(min_dims=2, max_dims=3, max_side=6))
+    config = _window_config(data, len(shape))
+    size = math.prod(config["window_dimensions"])
+    x = data.draw(scaled_arrays(shape, dtype))
+    # Windowed products of 4 values in [0.5, 2] at |log2 s| <= 8 (no padding: no mixing
+    # with the init value 1 at another magnitude).
+    p = data.draw(scaled_arrays((3, 4), dtype, min_exp=-8, max_exp=8, low=0.5, high=2.0))
+
+    def fn(x, p):
+        zero, one = _zero_one(x)
+        lowest = jnp.array(-jnp.inf, x.dtype)
+        return {
+            "max": lax.reduce_window(x, lowest, jnp.maximum, **config),
+            "add": lax.reduce_window(x, zero, lambda a, b: a + b, **config),
+            "prod": lax.reduce_window(p, one, lax.mul, (2, 2), (1, 1), "VALID"),
+        }
+
+    out = _check_each(
+        fn,
+        [x, p],
+        dtype,
+        {
+            "max": dict(ulps=0),
+            "add": dict(ulps=_sum_ulps(size), normwise=True),
+            "prod": dict(ulps=6),
+        },
+    )
+    assert float(out["max"].scale) == float(x.scale)
+    sqrt_size = 2.0 ** math.floor(math.log2(math.sqrt(size)))
+    assert float(out["add"].scale) == float(x.scale) * sqrt_size
+    assert_static_or_guarded_scale(out["prod"], 1.0)
+
+
+def _select_and_scatter(operand, source, init, select, scatter, window):
+    """``lax.select_and_scatter_p`` (no public wrapper) over non-overlapping windows."""
+    scalar = jax.ShapeDtypeStruct((), operand.dtype)
+    select, scatter = (
+        jax.make_jaxpr(select)(scalar, scalar),
+        jax.make_jaxpr(scatter)(scalar, scalar),
+    )
+    return lax.select_and_scatter_p.bind(
+        operand,
+        source,
+        init,
+        select_jaxpr=select.jaxpr,
+        select_consts=tuple(select.consts),
+        scatter_jaxpr=scatter.jaxpr,
+        scatter_consts=tuple(scatter.consts),
+        window_dimensions=window,
+        window_strides=window,
+        padding=((0, 0),) * len(window),  # XLA:CPU's SelectAndScatter mishandles padding
+    )
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@few
+@given(data=st.data())
+def test_select_and_scatter(dtype, data):
+    """Each source value lands, unchanged, on its window's selected operand element."""
+    window = tuple(data.draw(st.integers(1, 3)) for _ in range(2))
+    counts = tuple(data.draw(st.integers(1, 3)) for _ in range(2))
+    operand = data.draw(scaled_arrays(tuple(w * c for w, c in zip(window, counts)), dtype))
+    source = data.draw(scaled_arrays(counts, dtype))
+
+    def fn(operand, source):
+        zero = jnp.zeros((), operand.dtype)
+        by_magnitude = lambda a, b: a * a >= b * b  # noqa: E731  (not scale-commuting)
+        return {
+            "max": _select_and_scatter(operand, source, zero, lax.ge, lax.add, window),
+            "magnitude": _select_and_scatter(operand, source, zero, by_magnitude, lax.add, window),
+        }
+
+    out = _check_each(
+        fn, [operand, source], dtype, {"max": dict(ulps=0), "magnitude": dict(ulps=0)}
+    )
+    assert out["max"].scale == source.scale
+    assert_static_or_guarded_scale(out["magnitude"], 1.0)
+
+
 def _window_config(data, ndim: int) -> dict:
     sizes = tuple(data.draw(st.integers(1, 3)) for _ in range(ndim))
     return dict(
@@ -267,3 +455,6 @@ def test_reductions_e8m0_bit_identical(data):
     check_e8m0_matches(lambda x: jnp.cumsum(x, 0), [x])
     check_e8m0_matches(lambda x: lax.reduce_window(x, 0.0, lax.add, (2, 2), (1, 1), "SAME"), [x])
     check_e8m0_matches(lambda x: jnp.cumprod(x, 1), [x])
+    check_e8m0_matches(
+        lambda x: lax.reduce(x, jnp.zeros((), x.dtype), lambda a, b: a + b, [1]), [x]
+    )

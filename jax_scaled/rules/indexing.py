@@ -2,10 +2,11 @@
 
 Index arrays are never scaled: they are passed to the primitive as they are. Reads (gather,
 dynamic_slice) are bit exact. Writes that mix operand and update values (scatter,
-dynamic_update_slice, scatter_min/max) align both to the larger scale. ``scatter_add`` is an
-add at the touched positions and uses the add rule's estimate, ``sqrt(so^2 + su^2)`` rounded
-to a power of two (with the default round-down this is the larger scale, so nothing overflows
-where the add rule would not).
+dynamic_update_slice, scatter_min/max) align both to the larger scale. ``scatter_add`` and
+``scatter_sub`` (``x.at[i].subtract(u)``) are an add or a subtraction at the touched positions
+and use the add rule's estimate, ``sqrt(so^2 + su^2)`` rounded to a power of two (with the
+default round-down this is the larger scale, so nothing overflows where the add rule would
+not).
 
 The max-pooling derivatives (``select_and_gather_add`` in the JVP, ``select_and_scatter_add``
 in the VJP) select with the operand's data (order is unchanged by a positive scale) and move
@@ -82,6 +83,7 @@ _register_aligned_scatter(lax.scatter_p, jnp.maximum)
 _register_aligned_scatter(lax.scatter_min_p, jnp.maximum)
 _register_aligned_scatter(lax.scatter_max_p, jnp.maximum)
 _register_aligned_scatter(lax.scatter_add_p, rounded_l2_scale)
+_register_aligned_scatter(lax.scatter_sub_p, rounded_l2_scale)
 
 
 @register_scale_rule(lax.scatter_mul_p)

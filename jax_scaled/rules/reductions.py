@@ -1,9 +1,17 @@
 """Scale rules for reductions: reduce_*, arg*, cumulative ops, sort, top_k, reduce_window_*.
 
-Order-based ops (max, min, arg*, sort, top_k) run on the data directly: a positive scale does
-not change an order. Sums follow the unit-scaling estimate ``s * sqrt(N)`` for ``N`` summed
-terms. Products have no useful unit-scaling estimate; their rules are exact while the
-represented values stay in range (see :func:`reduce_prod_rule` and :func:`cumprod_rule`).
+Order-based ops (max, min, arg*, sort, top_k, approx_top_k) run on the data directly: a
+positive scale does not change an order. Sums follow the unit-scaling estimate ``s * sqrt(N)``
+for ``N`` summed terms. Products have no useful unit-scaling estimate; their rules are exact
+while the represented values stay in range (see :func:`reduce_prod_rule` and
+:func:`cumprod_rule`).
+
+Reductions with a user computation (``lax.reduce``, ``lax.reduce_window`` with a function
+other than ``lax.add``/``max``/``min`` or a non-identity init, ``select_and_scatter``) look at
+the computation's jaxpr. If it commutes with a power-of-two scale (selections, comparisons,
+additions; no constants but 0, inf, NaN), it runs on the data: bit exact for selections, and
+with the program's own rounding for additions (at ``s * sqrt(N)``). Otherwise it runs on the
+represented values in float32 or wider (:func:`_widened`), float results range-guarded.
 """
 
 from __future__ import annotations
@@ -168,6 +176,14 @@ def sort_rule(*operands, **params) -> list:
 def top_k_rule(x: ScaledArray, **params) -> list:
     """Values keep scale ``s``; indices are plain."""
     values, indices = lax.top_k_p.bind(x.data, **params)
+    return [_same_scale(x, values), indices]
+
+
+@register_scale_rule(lax.approx_top_k_p)
+def approx_top_k_rule(x: ScaledArray, **params) -> list:
+    """Values keep scale ``s`` (max-k or min-k: a positive scale keeps the order); indices are
+    plain."""
+    values, indices = lax.approx_top_k_p.bind(x.data, **params)
     return [_same_scale(x, values), indices]
 
 
