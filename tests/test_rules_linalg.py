@@ -2,7 +2,6 @@
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -201,48 +200,6 @@ def test_linalg_e8m0_bit_identical(data):
     w = data.draw(scaled_arrays((4, 3, 2, 3), jnp.float16))
     check_e8m0_matches(lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME"), [x, w])
     check_e8m0_matches(lambda x, w: lax.dot_general(x, w, (((1,), (1,)), ((), ()))), [x, w])
-
-
-@few
-@given(data=st.data(), shape=st.sampled_from([(3, 5), (4, 4), (2, 3, 2)]))
-def test_svd_singular_values_keep_the_scale(data, shape):
-    """float32 only: XLA:CPU's LAPACK has no float16/bfloat16 SVD (plain JAX fails too)."""
-    x = data.draw(scaled_arrays(shape, jnp.float32))
-
-    def fn(x):
-        u, s, vt = jnp.linalg.svd(x, full_matrices=False)
-        return jnp.linalg.svd(x, compute_uv=False), (u * s[..., None, :]) @ vt
-
-    singular_values, rebuilt = check_scaled(fn, [x], jnp.float32, ulps=64, normwise=True)
-    assert float(singular_values.scale) == float(x.scale)
-
-
-def factorizations(spd, a, b):
-    """eigh, qr, cholesky and triangular solves; sign-ambiguous factors are multiplied back."""
-    values, vectors = jnp.linalg.eigh(spd, symmetrize_input=False)
-    q, r = jnp.linalg.qr(a)
-    lower = lax.linalg.cholesky(spd, symmetrize_input=False)
-    solve = jax.scipy.linalg.solve_triangular
-    return {
-        "eigenvalues": values,
-        "eigh_rebuilt": (vectors * values[..., None, :]) @ jnp.swapaxes(vectors, -1, -2),
-        "qr_rebuilt": q @ r,
-        "cholesky": lower,
-        "solve": solve(lower, b, lower=True),
-        "solve_unit_diagonal": solve(lower, b, lower=True, unit_diagonal=True),
-    }
-
-
-@few
-@given(data=st.data(), n=st.integers(2, 4))
-def test_factorizations_are_exact_in_the_scale(data, n):
-    """float32 only: XLA:CPU's LAPACK has no float16/bfloat16 factorizations."""
-    a, b = (data.draw(scaled_arrays((n, n), jnp.float32)) for _ in range(2))
-    spd_data = a.data @ a.data.T + n * jnp.eye(n)  # well conditioned
-    spd = js.ScaledArray(spd_data, data.draw(scaled_arrays((), jnp.float32)).scale)
-    out = check_scaled(factorizations, [spd, a, b], jnp.float32, ulps=256, normwise=True)
-    assert float(out["eigenvalues"].scale) == float(spd.scale)
-    assert float(out["cholesky"].scale) ** 2 in (float(spd.scale), float(spd.scale) / 2)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
