@@ -18,7 +18,7 @@ from jax import lax
 from jax.lax import linalg as lax_linalg
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, asarray
 from jax_scaled.pow2 import pow2_exponent, pow2_from_exponent
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import Value, align, as_scaled, make_scale, rescale, scale_f32
@@ -152,22 +152,17 @@ def ormqr_rule(a: Value, taus: Value, c: Value, **params) -> Value:
     """Exact in ``c``: ``Q (c * s) = (Q c) * s``, the scale of ``c`` is kept. ``Q`` is applied
     from the represented values of the reflectors ``a`` and ``taus`` (scale free: a
     reflector has an implicit unit leading entry)."""
-    reflectors, factors = _value(a), _value(taus)
+    reflectors, factors = asarray(a), asarray(taus)
     if not isinstance(c, ScaledArray):
         return lax_linalg.ormqr_p.bind(reflectors, factors, c, **params)
     return ScaledArray(lax_linalg.ormqr_p.bind(reflectors, factors, c.data, **params), c.scale)
-
-
-def _value(x: Value) -> jax.Array:
-    """The represented value of ``x`` in its data dtype; a plain array as is."""
-    return x.to_array() if isinstance(x, ScaledArray) else x
 
 
 def _on_value(primitive: jxi.Primitive, why: str) -> Callable:
     """A value-based rule: ``primitive`` bound on the represented values, outputs plain."""
 
     def rule(*args: Value, **params) -> Value:
-        return primitive.bind(*map(_value, args), **params)
+        return primitive.bind(*map(asarray, args), **params)
 
     rule.__name__ = f"{primitive.name}_rule"
     rule.__doc__ = (

@@ -7,11 +7,8 @@ while the represented values stay in range (see :func:`reduce_prod_rule` and
 :func:`cumprod_rule`).
 
 Reductions with a user computation (``lax.reduce``, ``lax.reduce_window`` with a function
-other than ``lax.add``/``max``/``min`` or a non-identity init, ``select_and_scatter``) look at
-the computation's jaxpr. If it commutes with a power-of-two scale (selections, comparisons,
-additions; no constants but 0, inf, NaN), it runs on the data: bit exact for selections, and
-with the program's own rounding for additions (at ``s * sqrt(N)``). Otherwise it runs on the
-represented values in float32 or wider (:func:`_widened`), float results range-guarded.
+other than ``lax.add``/``max``/``min``, ``select_and_scatter``) are in
+:mod:`jax_scaled.rules.reductions_custom`.
 """
 
 from __future__ import annotations

@@ -37,9 +37,7 @@ from jax import lax
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.registry import register_scale_rule
-from jax_scaled.rules._common import as_scaled, guarded, to_compute
-
-Value = Any  # jax.Array | ScaledArray
+from jax_scaled.rules._common import Value, as_scaled, guarded, to_compute
 
 
 def _evaluate(primitive, *operands: Value, **params) -> ScaledArray:
