@@ -167,6 +167,30 @@ def check_scaled(
     return out
 
 
+def check_named(
+    fn: Callable, inputs: Sequence[Any], dtype, tolerances: dict | None = None, **tolerance
+) -> dict:
+    """Like :func:`check_scaled` for a function returning a dict; names the failing key.
+
+    ``tolerances`` maps each key to its own :func:`assert_close` tolerance; without it every
+    key gets ``tolerance``. Every floating output must be a ScaledArray of ``dtype``.
+    """
+    out = jax.jit(js.scalify(fn))(*inputs)
+    expected = reference64(fn, *inputs)
+    assert_pow2_scales(out)
+    for name, want in expected.items():
+        name_tolerance = tolerance if tolerances is None else tolerances[name]
+        got_leaves = js.tree.tree_leaves(out[name])
+        for got, want_leaf in zip(got_leaves, jax.tree.leaves(want), strict=True):
+            if jnp.issubdtype(np.asarray(want_leaf).dtype, jnp.floating):
+                assert isinstance(got, js.ScaledArray) and got.dtype == dtype, (name, got)
+            try:
+                assert_close(got, want_leaf, dtype, **name_tolerance)
+            except AssertionError as error:
+                raise AssertionError(f"output {name!r}: {error}") from error
+    return out
+
+
 def with_e8m0_scales(tree: Any) -> Any:
     """The same scaled inputs with their scales stored as float8_e8m0fnu."""
     return js.as_scaled_array(tree, scale_dtype=jnp.float8_e8m0fnu)

@@ -11,6 +11,7 @@ import pytest
 from helpers import (
     FLOAT_DTYPES,
     check_e8m0_matches,
+    check_named,
     eps,
     reference64,
     scaled_arrays,
@@ -20,7 +21,6 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
-from test_rules_shape import check_named
 
 import jax_scaled as js
 

@@ -9,12 +9,10 @@ import numpy as np
 import pytest
 from helpers import (
     FLOAT_DTYPES,
-    assert_close,
-    assert_pow2_scales,
     assert_static_or_guarded_scale,
     check_e8m0_matches,
+    check_named,
     check_scaled,
-    reference64,
     scaled_arrays,
     shapes,
 )
@@ -206,46 +204,25 @@ def test_argsort_with_plain_payload(dtype, data):
     check_scaled(lambda x: jnp.argsort(x, axis=-1, stable=True), [x], dtype)
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@few
-@given(data=st.data())
-def test_top_k(dtype, data):
-    shape = data.draw(shapes())
-    k = data.draw(st.integers(1, shape[-1]))
-    x = data.draw(scaled_arrays(shape, dtype))
-    values, indices = check_scaled(lambda x: lax.top_k(x, k), [x], dtype, ulps=0)
-    assert float(values.scale) == float(x.scale)
-    assert not isinstance(indices, js.ScaledArray)
+# name -> (x, k) -> a tuple of (values, indices) pairs.
+TOP_K = {
+    "top_k": lambda x, k: (lax.top_k(x, k),),
+    "approx_max_min_k": lambda x, k: (lax.approx_max_k(x, k), lax.approx_min_k(x, k)),
+}
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("name", sorted(TOP_K))
 @few
 @given(data=st.data())
-def test_approx_max_min_k(dtype, data):
+def test_top_k(name, dtype, data):
     shape = data.draw(shapes())
     k = data.draw(st.integers(1, shape[-1]))
     x = data.draw(scaled_arrays(shape, dtype))
-    fn = lambda x: (lax.approx_max_k(x, k), lax.approx_min_k(x, k))  # noqa: E731
-    outs = check_scaled(fn, [x], dtype, ulps=0)
+    outs = check_scaled(lambda x: TOP_K[name](x, k), [x], dtype, ulps=0)
     for values, indices in outs:
         assert float(values.scale) == float(x.scale)
         assert not isinstance(indices, js.ScaledArray)
-
-
-def _check_each(fn, inputs, dtype, tolerances: dict) -> dict:
-    """``check_scaled`` for a function returning a dict, with a tolerance per key."""
-    out = jax.jit(js.scalify(fn))(*inputs)
-    expected = reference64(fn, *inputs)
-    assert_pow2_scales(out)
-    for name, tolerance in tolerances.items():
-        for got, want in zip(js.tree.tree_leaves(out[name]), jax.tree.leaves(expected[name])):
-            if jnp.issubdtype(want.dtype, jnp.floating):
-                assert isinstance(got, js.ScaledArray) and got.dtype == dtype, (name, got)
-            try:
-                assert_close(got, want, dtype, **tolerance)
-            except AssertionError as error:
-                raise AssertionError(f"output {name!r}: {error}") from error
-    return out
 
 
 def _max_with_payload(a, b):
@@ -294,7 +271,7 @@ def test_reduce_with_a_computation(dtype, data):
             "values": lax.reduce((p, q), (one, zero), _product_and_sum, [axis]),
         }
 
-    out = _check_each(
+    out = check_named(
         fn,
         [x, y, p, q, index],
         dtype,
@@ -334,7 +311,7 @@ def test_reduce_window_with_a_computation(dtype, data):
             "prod": lax.reduce_window(p, one, lax.mul, (2, 2), (1, 1), "VALID"),
         }
 
-    out = _check_each(
+    out = check_named(
         fn,
         [x, p],
         dtype,
@@ -389,7 +366,7 @@ def test_select_and_scatter(dtype, data):
             "magnitude": _select_and_scatter(operand, source, zero, by_magnitude, lax.add, window),
         }
 
-    out = _check_each(
+    out = check_named(
         fn, [operand, source], dtype, {"max": dict(ulps=0), "magnitude": dict(ulps=0)}
     )
     assert out["max"].scale == source.scale

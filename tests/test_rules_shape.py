@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 from helpers import (
     FLOAT_DTYPES,
-    assert_close,
-    assert_pow2_scales,
     check_e8m0_matches,
-    reference64,
+    check_named,
     scaled_arrays,
     shapes,
     value64,
@@ -25,22 +23,6 @@ from jax import lax
 import jax_scaled as js
 
 few = settings(max_examples=max(3, settings.default.max_examples // 3))
-
-
-def check_named(fn, inputs, dtype, **tolerance) -> dict:
-    """Like ``helpers.check_scaled`` for a function returning a dict; names the failing key."""
-    out = jax.jit(js.scalify(fn))(*inputs)
-    expected = reference64(fn, *inputs)
-    assert_pow2_scales(out)
-    for name, want in expected.items():
-        got_leaves = js.tree.tree_leaves(out[name])
-        for got, want_leaf in zip(got_leaves, jax.tree.leaves(want), strict=True):
-            assert isinstance(got, js.ScaledArray) and got.dtype == dtype, (name, got)
-            try:
-                assert_close(got, want_leaf, dtype, **tolerance)
-            except AssertionError as error:
-                raise AssertionError(f"output {name!r}: {error}") from error
-    return out
 
 
 def _data_movement(x):
