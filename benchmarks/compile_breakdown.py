@@ -30,7 +30,7 @@ VARIANTS = {
     "scalified, no guard": js.ScalifyConfig(guard=False),
     "scalified": js.ScalifyConfig(),
 }
-KERNEL = re.compile(r"= (\S+) (fusion|dot|custom-call)\(")
+KERNEL = re.compile(r"= (\([^)]*\)|\S+) (fusion|dot|custom-call)\(")
 
 
 def kernel_counts(hlo_text: str) -> tuple[int, int]:

@@ -227,9 +227,9 @@ def guard_band(dtype) -> tuple[int, int, int] | None:
 
 def guard_shift(wide: jax.Array, dtype) -> jax.Array | None:
     """The exponent (int32) to move from ``wide`` data into its scale before casting it to the
-    narrow ``dtype``, or None where no guard applies: 0 for data in the guard band or all
-    zero; infinities and NaNs are ignored. Clamped to ``[-126, 126]`` so that both
-    ``2^shift`` and ``2^-shift`` are exact.
+    narrow ``dtype``, or None where no guard applies: 0 for data in the guard band, all
+    zero, or holding an infinity (see :func:`largest_biased_exponent`). Clamped to
+    ``[-126, 126]`` so that both ``2^shift`` and ``2^-shift`` are exact.
 
     Example:
         >>> int(guard_shift(jnp.array([2.0**17, 2.0]), jnp.float16))
@@ -246,18 +246,48 @@ def guard_shift(wide: jax.Array, dtype) -> jax.Array | None:
 
 
 def largest_biased_exponent(wide: jax.Array) -> jax.Array:
-    """The biased float32 exponent (int32) of the largest finite ``|datum|`` of ``wide``:
-    ``e + 127`` for a largest magnitude in ``[2^e, 2^(e+1))``, 0 when every finite datum is
-    zero (or a float32 subnormal). A handful of lax operations: it runs on every guarded
-    output. (Measured: cheaper to compile than ``max(max(x), -min(x))``.)
+    """The biased float32 exponent (int32) of the largest ``|datum|`` of ``wide``: ``e + 127``
+    for a largest magnitude in ``[2^e, 2^(e+1))``; 0 when every datum is zero (or a float32
+    subnormal), and 0 as well when a datum is infinite (data that has already overflowed
+    is not shifted). A NaN gives 0 or is ignored, depending on how XLA compiles the
+    reduction. It runs on every guarded output.
 
     Example:
-        >>> int(largest_biased_exponent(jnp.array([0.75, -3.0, jnp.inf]))) - 127
+        >>> int(largest_biased_exponent(jnp.array([0.75, -3.0]))) - 127
         1
+        >>> int(largest_biased_exponent(jnp.array([0.75, jnp.inf])))
+        0
     """
-    magnitude = lax.abs(wide)
-    magnitude = lax.select(lax.is_finite(wide), magnitude, lax.full_like(magnitude, 0))
-    return biased_exponent(lax.reduce_max(magnitude, tuple(range(wide.ndim))))
+    biased = biased_exponent(largest_magnitude(wide))
+    return lax.select(biased == 255, jnp.int32(0), biased)
+
+
+# XLA:CPU hands a maximum over this many elements or more to its YNNPACK reduction, with
+# ``abs`` fused in; below, it splits the reduction in two kernels and materialises ``abs``.
+_LARGE_REDUCTION = 4096
+
+
+def largest_magnitude(wide: jax.Array) -> jax.Array:
+    """``max(|wide|)`` over all axes, written the way XLA compiles into the fewest kernels
+    (the guard adds one per guarded output, and on CPU each kernel costs compile time):
+    ``reduce_max(abs(x))`` for large arrays, one variadic reduction of the largest and
+    smallest datum for small ones (one kernel instead of three; measured in
+    ``benchmarks/compile_breakdown.py``).
+
+    Example:
+        >>> float(largest_magnitude(jnp.array([0.75, -3.0, 2.0])))
+        3.0
+    """
+    axes = tuple(range(wide.ndim))
+    if wide.size >= _LARGE_REDUCTION:
+        return lax.reduce_max(lax.abs(wide), axes)
+    lowest, highest = jnp.array(-jnp.inf, wide.dtype), jnp.array(jnp.inf, wide.dtype)
+    largest, smallest = lax.reduce((wide, wide), (lowest, highest), _max_and_min, axes)
+    return lax.max(largest, lax.neg(smallest))
+
+
+def _max_and_min(a: tuple, b: tuple) -> tuple:
+    return lax.max(a[0], b[0]), lax.min(a[1], b[1])
 
 
 def shift_into_scale(
