@@ -25,6 +25,7 @@ from jax_scaled import diagnostics, estimates
 from jax_scaled.any_scale import AnyScaleValue
 from jax_scaled.array import ScaledArray, _is_array_like
 from jax_scaled.config import ScalifyConfig, current_config
+from jax_scaled.fusion import bundle_scales
 from jax_scaled.pow2 import pow2_split, static_pow2_split
 from jax_scaled.registry import applies_to_unscaled, find_scale_rule
 
@@ -136,7 +137,8 @@ def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
 
     closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in dynamic])
     out_slots = interpret_jaxpr(closed.jaxpr, closed.consts, [Slot(x) for x in dynamic])
-    return jax.tree.unflatten(out_tree_box[0], [s.value for s in out_slots])
+    outputs = bundle_scales([s.value for s in out_slots], dynamic)
+    return jax.tree.unflatten(out_tree_box[0], outputs)
 
 
 def interpret_jaxpr(

@@ -1,0 +1,121 @@
+"""Program shapes chosen for XLA's kernel count: bundled output scales and the guard's
+largest-magnitude reduction. Values must be exactly those of the plain formulation."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from jax import lax
+
+import jax_scaled as js
+from jax_scaled.fusion import bundle_scales
+from jax_scaled.rules._common import largest_biased_exponent, largest_magnitude
+
+
+def sgd_step(params, x):
+    def loss(params):
+        h = jax.nn.relu(x @ params["w1"] + params["b1"])
+        return jnp.mean((h @ params["w2"]) ** 2)
+
+    grads = jax.grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def step_inputs():
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {
+        "w1": jax.random.normal(keys[0], (8, 16)),
+        "b1": jnp.zeros((16,)),
+        "w2": jax.random.normal(keys[1], (16, 4)),
+    }
+    return js.as_scaled_array(params), js.as_scaled_array(jax.random.normal(keys[2], (5, 8)))
+
+
+def reduces_in(jaxpr) -> list:
+    return [e for e in jaxpr.eqns if e.primitive is lax.reduce_p]
+
+
+def test_output_scales_of_a_train_step_come_from_one_operation():
+    params, x = step_inputs()
+    jaxpr = jax.make_jaxpr(js.scalify(sgd_step))(params, x).jaxpr
+    (bundle,) = [e for e in reduces_in(jaxpr) if len(e.outvars) > 1]
+    assert len(bundle.outvars) == 3  # one new scale per parameter
+    out_scales = [v for v in jaxpr.outvars if v.aval.shape == ()]
+    assert set(out_scales) == set(bundle.outvars)
+
+
+def test_bundled_scales_leave_values_unchanged():
+    params, x = step_inputs()
+    got = jax.jit(js.scalify(sgd_step))(params, x)
+    expected = sgd_step(js.asarray(params), js.asarray(x))
+    for key, value in expected.items():
+        np.testing.assert_allclose(js.asarray(got[key]), value, rtol=1e-6)
+        assert float(got[key].scale) == 2.0 ** np.round(np.log2(float(got[key].scale)))
+
+
+def unscaled(f):
+    return lambda *args: f(*[js.asarray(x) for x in args])
+
+
+def total(a, b, transform=unscaled):
+    """Sum of three products of ``a`` at scale 2 and ``b`` at scale 1/4 (plain data)."""
+    sa, sb = js.ScaledArray(a, jnp.float32(2.0)), js.ScaledArray(b, jnp.float32(0.25))
+    out = transform(lambda x, y: (x * y, x * 4.0, y * 0.5))(sa, sb)
+    return sum(jnp.sum(js.asarray(o)) for o in out)
+
+
+@pytest.mark.parametrize(
+    "transform", [lambda f: jax.grad(f, argnums=(0, 1)), jax.vmap], ids=["grad", "vmap"]
+)
+def test_bundled_scales_differentiate_and_vectorize(transform):
+    a, b = jnp.arange(6.0).reshape(2, 3), jnp.ones((2, 3))
+    expected = transform(total)(a, b)
+    got = transform(functools.partial(total, transform=js.scalify))(a, b)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-6)
+
+
+def test_scales_passed_through_are_not_bundled():
+    def f(x, y):
+        return bundle_scales([x, y, js.ScaledArray(y.data, y.scale * 2)], [x, y])
+
+    jaxpr = jax.make_jaxpr(f)(js.scaled_array(jnp.ones(2), 1.0), js.scaled_array(jnp.ones(2), 1.0))
+    assert not reduces_in(jaxpr.jaxpr)  # a single computed scale needs no bundle
+    assert jaxpr.jaxpr.outvars[1] is jaxpr.jaxpr.invars[1]
+
+
+def test_eager_outputs_are_not_bundled():
+    x = js.scaled_array(jnp.ones(2), 1.0)
+    out = bundle_scales([js.ScaledArray(x.data, x.scale * 2), js.ScaledArray(x.data, x.scale)], [])
+    assert [float(o.scale) for o in out] == [2.0, 1.0]
+
+
+@pytest.mark.parametrize("size", [7, 4096, 5000])
+@given(data=st.data())
+def test_largest_magnitude_is_max_abs(size, data):
+    finite = st.floats(-(2.0**100), 2.0**100, width=32, allow_subnormal=True)
+    x = data.draw(hnp.arrays(np.float32, (size,), elements=finite))
+    assert float(largest_magnitude(jnp.asarray(x))) == float(np.max(np.abs(x)))
+    assert float(jax.jit(largest_magnitude)(jnp.asarray(x.reshape(-1, 1)))) == np.max(np.abs(x))
+
+
+@pytest.mark.parametrize("size", [7, 5000])
+def test_data_with_an_infinity_is_not_shifted(size):
+    x = np.full((size,), 2.0**30, np.float32)
+    assert int(largest_biased_exponent(jnp.asarray(x))) == 30 + 127
+    x[size // 2] = -np.inf
+    assert int(largest_biased_exponent(jnp.asarray(x))) == 0
+
+
+@pytest.mark.parametrize("size", [7, 5000])
+def test_nan_gives_no_shift_or_is_ignored(size):
+    """XLA's reductions differ on NaN (the small form propagates it, the large one may skip
+    it): either way the guard stays sane, shifting by the finite data or not at all."""
+    x = np.full((size,), 2.0**30, np.float32)
+    x[size // 2] = np.nan
+    assert int(largest_biased_exponent(jnp.asarray(x))) in (0, 30 + 127)
