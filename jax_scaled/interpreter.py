@@ -394,8 +394,8 @@ def _zero_factor_scale(other_scale: jax.Array) -> jax.Array:
         with np.errstate(divide="ignore"):
             scale = _SMALLEST_NORMAL / other_scale.astype(np.float32)
         return np.clip(scale, _SMALLEST_NORMAL, 1.0).astype(other_scale.dtype)
-    scale = jnp.float32(_SMALLEST_NORMAL) / jnp.asarray(other_scale, jnp.float32)
-    scale = jax.lax.clamp(jnp.float32(_SMALLEST_NORMAL), scale, jnp.float32(1.0))
+    scale = np.float32(_SMALLEST_NORMAL) / jnp.asarray(other_scale, jnp.float32)
+    scale = jax.lax.clamp(np.float32(_SMALLEST_NORMAL), scale, np.float32(1.0))
     return scale.astype(other_scale.dtype)
 
 

@@ -58,7 +58,7 @@ def biased_exponent(x: jnp.ndarray) -> jnp.ndarray:
         1
     """
     bits = lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.float32), jnp.int32)
-    return lax.shift_right_logical(bits, jnp.int32(_MANTISSA_BITS))
+    return lax.shift_right_logical(bits, np.int32(_MANTISSA_BITS))
 
 
 def pow2_from_exponent(exponent: jnp.ndarray, clamp: bool = True) -> jnp.ndarray:
@@ -160,10 +160,10 @@ def _exact_divide_by_pow2(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
     is_subnormal = ((bits >> _MANTISSA_BITS) & 0xFF) == 0
     # A subnormal x is (sign) * m * 2^-149 with integer m < 2^23: rebuild it from its integer
     # mantissa so that no float operation ever sees the subnormal (flushed to zero on CPU).
-    sign = _select((bits >> 31) == 1, jnp.float32(-1), jnp.float32(1))
+    sign = _select((bits >> 31) == 1, np.float32(-1), np.float32(1))
     integer_mantissa = (bits & ((1 << _MANTISSA_BITS) - 1)).astype(jnp.float32)
     from_subnormal = (
-        sign * integer_mantissa * jnp.float32(2.0**-23) * (jnp.float32(2.0**-126) / scale)
+        sign * integer_mantissa * np.float32(2.0**-23) * (np.float32(2.0**-126) / scale)
     )
     return _select(is_subnormal, from_subnormal, x / scale)
 
@@ -235,10 +235,10 @@ def pow2_round_positive(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Arra
     bits = lax.bitcast_convert_type(as_float32(x), jnp.uint32)
     offset = _ROUNDING_OFFSET[Rounding(rounding)]
     if offset:
-        bits = bits + jnp.uint32(offset)
-    rounded = lax.bitcast_convert_type(bits & jnp.uint32(0xFF800000), jnp.float32)
+        bits = bits + np.uint32(offset)
+    rounded = lax.bitcast_convert_type(bits & np.uint32(0xFF800000), jnp.float32)
     return lax.clamp(
-        jnp.float32(2.0**MIN_SCALE_EXPONENT), rounded, jnp.float32(2.0**MAX_SCALE_EXPONENT)
+        np.float32(2.0**MIN_SCALE_EXPONENT), rounded, np.float32(2.0**MAX_SCALE_EXPONENT)
     )
 
 
@@ -256,7 +256,7 @@ def pow2_reciprocal(scale) -> jax.Array:
     bits = lax.bitcast_convert_type(as_float32(scale), jnp.int32)
     # 2^e has bits (e + 127) << 23 and 2^-e has (127 - e) << 23 = (254 << 23) - bits: never a
     # subnormal pattern; 2^127 gives 0 and an infinite scale is clamped to 0 as well.
-    reciprocal = lax.max(jnp.int32(254 << _MANTISSA_BITS) - bits, jnp.int32(0))
+    reciprocal = lax.max(lax.sub(np.int32(254 << _MANTISSA_BITS), bits), np.int32(0))
     return lax.bitcast_convert_type(reciprocal, jnp.float32)
 
 
@@ -273,11 +273,11 @@ def pow2_round_sqrt(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Array:
     """
     rounding = Rounding(rounding)
     bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
-    exponent = lax.shift_right_arithmetic(bits, jnp.int32(_MANTISSA_BITS)) - EXPONENT_BIAS
+    exponent = lax.shift_right_arithmetic(bits, np.int32(_MANTISSA_BITS)) - EXPONENT_BIAS
     if rounding is Rounding.UP:
-        inexact = (bits & jnp.int32((1 << _MANTISSA_BITS) - 1)) != 0
+        inexact = (bits & np.int32((1 << _MANTISSA_BITS) - 1)) != 0
         exponent = exponent + inexact.astype(jnp.int32) + 1
     elif rounding is Rounding.NEAREST:
         exponent = exponent + 1
-    half = lax.shift_right_arithmetic(exponent, jnp.int32(1))
+    half = lax.shift_right_arithmetic(exponent, np.int32(1))
     return pow2_from_exponent(half)

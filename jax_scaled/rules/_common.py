@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
@@ -46,7 +47,7 @@ def scale_f32(x: Value) -> jax.Array:
     """The scale of ``x`` as a float32 0-d array (1 for a plain array)."""
     if isinstance(x, ScaledArray):
         return x.scale if x.scale.dtype == jnp.float32 else x.scale.astype(jnp.float32)
-    return jnp.ones((), jnp.float32)
+    return np.ones((), np.float32)
 
 
 def out_scale_dtype(*xs: Value) -> jnp.dtype:
@@ -94,7 +95,7 @@ def as_scaled(x: Value) -> ScaledArray:
     """``x`` as a ScaledArray: a plain floating array gets scale 1."""
     if isinstance(x, ScaledArray):
         return x
-    return ScaledArray(x, jnp.ones((), jnp.float32))
+    return ScaledArray(x, np.ones((), np.float32))
 
 
 def rescale(data: jax.Array, ratio: jax.Array) -> jax.Array:
@@ -106,10 +107,10 @@ def rescale(data: jax.Array, ratio: jax.Array) -> jax.Array:
 def safe_ratio(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """``numerator / denominator`` for scales; 0/0 (two zero scales) gives 0, not NaN."""
     if numerator is denominator:
-        return jnp.ones((), jnp.float32)
+        return np.ones((), np.float32)
     # Scales are >= 2^-126 unless zero; a zero denominator means a zero numerator (the
     # denominator is the larger scale), whose data is multiplied by 0: the value stays 0.
-    return numerator / lax.max(denominator, jnp.float32(2.0**-126))
+    return numerator / lax.max(denominator, np.float32(2.0**-126))
 
 
 def ratio_to_pow2(scale: jax.Array, target: jax.Array) -> jax.Array:
@@ -119,7 +120,7 @@ def ratio_to_pow2(scale: jax.Array, target: jax.Array) -> jax.Array:
     data computation that uses it, where a float division would be compiled on its own.
     """
     if scale is target:
-        return jnp.ones((), jnp.float32)
+        return np.ones((), np.float32)
     return scale * pow2_reciprocal(target)
 
 
@@ -241,8 +242,8 @@ def guard_shift(wide: jax.Array, dtype) -> jax.Array | None:
     low, high, target = band
     biased = largest_biased_exponent(wide)
     outside = (biased < low + EXPONENT_BIAS) | (biased >= high + EXPONENT_BIAS)
-    shift = lax.select(outside & (biased > 0), biased - (EXPONENT_BIAS + target), jnp.int32(0))
-    return lax.clamp(jnp.int32(-126), shift, jnp.int32(126))
+    shift = lax.select(outside & (biased > 0), biased - (EXPONENT_BIAS + target), np.int32(0))
+    return lax.clamp(np.int32(-126), shift, np.int32(126))
 
 
 def largest_biased_exponent(wide: jax.Array) -> jax.Array:
@@ -259,7 +260,7 @@ def largest_biased_exponent(wide: jax.Array) -> jax.Array:
         0
     """
     biased = biased_exponent(largest_magnitude(wide))
-    return lax.select(biased == 255, jnp.int32(0), biased)
+    return lax.select(biased == 255, np.int32(0), biased)
 
 
 # XLA:CPU hands a maximum over this many elements or more to its YNNPACK reduction, with

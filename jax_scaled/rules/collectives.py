@@ -166,7 +166,7 @@ def _agreed_scale(x: ScaledArray, axis_name: Any) -> jax.Array:
     differ = _scale_may_differ(scale, _as_axes(axis_name))
     if not differ:
         return scale
-    smallest = jnp.float32(2.0**MIN_SCALE_EXPONENT)
+    smallest = np.float32(2.0**MIN_SCALE_EXPONENT)
     return lax.pmax(jnp.where(jnp.any(x.data != 0), scale, smallest), differ)
 
 
@@ -178,7 +178,7 @@ def _data_at(x: ScaledArray, scale: jax.Array) -> jax.Array:
     own = scale_f32(x)
     if own is scale:
         return x.data
-    ratio = lax.min(safe_ratio(own, scale), jnp.float32(jnp.finfo(jnp.float32).max))
+    ratio = lax.min(safe_ratio(own, scale), np.float32(jnp.finfo(jnp.float32).max))
     return rescale(x.data, ratio)
 
 
@@ -213,7 +213,7 @@ def _check_no_groups(primitive: str, axis_index_groups: Any) -> None:
 
 def _summed(x: ScaledArray, axes: tuple, count: int, bind: Callable) -> ScaledArray:
     """A sum over ``count`` shards: scale ``S * sqrt(count)``, data summed in its dtype."""
-    scale = _agreed_scale(x, axes) * jnp.float32(sqrt_pow2(count))
+    scale = _agreed_scale(x, axes) * np.float32(sqrt_pow2(count))
     return ScaledArray(bind(_data_at(x, scale)), make_scale(scale, x))
 
 
@@ -381,7 +381,7 @@ def _is_scaled(value: Any) -> bool:
 def _as_pair(value: Any) -> tuple[jax.Array, jax.Array]:
     if isinstance(value, ScaledArray):
         return value.data, value.scale
-    return value, jnp.ones((), jnp.float32)
+    return value, np.ones((), np.float32)
 
 
 def _out_slot(data: jax.Array, scale: jax.Array, scaled: bool) -> Slot:

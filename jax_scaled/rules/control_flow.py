@@ -99,7 +99,7 @@ def _promote_plain(slot: Slot) -> ScaledArray:
     promoted = _promote(slot, lambda: smallest, current_config().scale_dtype or jnp.float32)
     if isinstance(promoted, ScaledArray):
         return promoted
-    return ScaledArray._trusted(promoted, jnp.ones((), jnp.float32))
+    return ScaledArray._trusted(promoted, np.ones((), np.float32))
 
 
 def _out_slot(value: Value) -> Slot:

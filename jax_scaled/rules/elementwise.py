@@ -90,7 +90,7 @@ def abs_rule(x: ScaledArray, **params) -> ScaledArray:
 @register_scale_rule(lax.sign_p)
 def sign_rule(x: ScaledArray, **params) -> ScaledArray:
     """Scale 1: sign(d * s) == sign(d) for a positive scale."""
-    return ScaledArray(lax.sign(x.data), make_scale(jnp.ones((), jnp.float32), x))
+    return ScaledArray(lax.sign(x.data), make_scale(np.ones((), np.float32), x))
 
 
 @register_scale_rule(lax.reduce_precision_p)
@@ -147,7 +147,7 @@ def align_selection(*xs: Value) -> tuple[list[jax.Array], jax.Array]:
     traced = max_scale([scale_f32(x) for x in xs if not _has_static_scale(x)])
     floor = max(float(x.scale) / _headroom(x.dtype) for x in xs if _has_static_scale(x))
     floor = max(floor, 2.0**MIN_SCALE_EXPONENT)
-    return align(*xs, scale=lax.max(traced, jnp.float32(floor)))
+    return align(*xs, scale=lax.max(traced, np.float32(floor)))
 
 
 def _aligned(primitive, *xs: Value, **params) -> ScaledArray:
@@ -267,9 +267,9 @@ def _power_guard_exponent(x: ScaledArray, y: int) -> jax.Array | None:
         return None
     low, high, _ = band
     biased = largest_biased_exponent(_wide(x))
-    exponent = lax.clamp(jnp.int32(-126), biased - EXPONENT_BIAS, jnp.int32(126))
+    exponent = lax.clamp(np.int32(-126), biased - EXPONENT_BIAS, np.int32(126))
     outside = (y * exponent >= high) | (y * exponent < low)
-    return lax.select(outside & (biased > 0), exponent, jnp.int32(0))
+    return lax.select(outside & (biased > 0), exponent, np.int32(0))
 
 
 @register_scale_rule(lax.square_p)

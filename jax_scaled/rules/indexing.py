@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_scaled._jax_internals import lax_primitives
@@ -59,7 +60,7 @@ def gather_rule(x: Value, indices: Value, *, fill_value=None, **params) -> Scale
     if fill_value is None or fill_value == 0 or not math.isfinite(fill_value):
         return ScaledArray(data, x.scale)  # NaN/inf/zero fills are the same at any scale
     inside = lax.gather_p.bind(jnp.ones_like(x.data), indices, fill_value=0, **params)
-    scale = jnp.maximum(scale_f32(x), jnp.float32(static_pow2_round(abs(fill_value))))
+    scale = jnp.maximum(scale_f32(x), np.float32(static_pow2_round(abs(fill_value))))
     gathered = wide_data(ScaledArray(data, x.scale), scale)
     value = jnp.where(inside != 0, gathered, fill_value / scale.astype(gathered.dtype))
     return ScaledArray(value.astype(x.dtype), make_scale(scale, x))

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
@@ -37,7 +38,7 @@ def _contract(
     """
     x, y = as_scaled(x), as_scaled(y)
     sqrt_k = sqrt_pow2(contraction_size)
-    scale = scale_f32(x) * scale_f32(y) * jnp.float32(sqrt_k)
+    scale = scale_f32(x) * scale_f32(y) * np.float32(sqrt_k)
     if out_dtype is None:  # the primitive's own choice for these inputs
         out_dtype = jax.eval_shape(contract, x.data, y.data, None).dtype
     if guard_band(out_dtype) is None:
@@ -45,7 +46,7 @@ def _contract(
         data = (out / jnp.asarray(sqrt_k, out.dtype)) if sqrt_k != 1 else out
         return ScaledArray(data, make_scale(scale, x, y))
     out = contract(x.data, y.data, jnp.float32)
-    return guarded(out / jnp.float32(sqrt_k), scale, out_dtype, x, y)
+    return guarded(out / np.float32(sqrt_k), scale, out_dtype, x, y)
 
 
 @register_scale_rule(lax.dot_general_p)

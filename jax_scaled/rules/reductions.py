@@ -17,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_scaled.array import ScaledArray
@@ -47,7 +48,7 @@ def _sum_like(x: ScaledArray, total: jax.Array, n: int) -> ScaledArray:
     """A sum of ``n`` unit terms has scale ``sqrt(n)``: data ``total / sqrt(n)`` (pow2)."""
     sqrt_n = sqrt_pow2(n)
     data = total / jnp.asarray(sqrt_n, total.dtype) if sqrt_n != 1 else total
-    return ScaledArray(data, make_scale(scale_f32(x) * jnp.float32(sqrt_n), x))
+    return ScaledArray(data, make_scale(scale_f32(x) * np.float32(sqrt_n), x))
 
 
 def _times_pow2(x: jax.Array, exponent: jax.Array) -> jax.Array:
@@ -70,7 +71,7 @@ def reduce_sum_rule(x: ScaledArray, *, axes: tuple[int, ...], **params) -> Scale
     wide = lax.reduce_sum_p.bind(x.data.astype(compute_dtype(x.dtype)), axes=axes, **params)
     sqrt_n = sqrt_pow2(math.prod(x.shape[a] for a in axes))
     data = wide / jnp.asarray(sqrt_n, wide.dtype) if sqrt_n != 1 else wide
-    return guarded(data, scale_f32(x) * jnp.float32(sqrt_n), x.dtype, x)
+    return guarded(data, scale_f32(x) * np.float32(sqrt_n), x.dtype, x)
 
 
 @register_scale_rule(lax.reduce_max_p)
@@ -156,7 +157,7 @@ def cummin_rule(x: ScaledArray, **params) -> ScaledArray:
 def cumlogsumexp_rule(x: ScaledArray, **params) -> ScaledArray:
     """Scale ``max(s, 1)``: computed in float32 (or wider) from the represented value."""
     out = lax.cumlogsumexp_p.bind(to_compute(x), **params)
-    scale = round_scale(jnp.maximum(scale_f32(x), jnp.float32(1)))
+    scale = round_scale(jnp.maximum(scale_f32(x), np.float32(1)))
     return from_compute(out, scale, x.dtype, x)
 
 

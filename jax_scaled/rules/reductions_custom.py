@@ -152,7 +152,7 @@ def _init_scale(init: Value) -> jax.Array:
     """The scale an init value asks for: its own, or 0 for 0, inf and NaN (any scale fits)."""
     init = as_scaled(init)
     meaningful = jnp.isfinite(init.data) & (init.data != 0)
-    return jnp.where(meaningful, scale_f32(init), jnp.float32(0))
+    return jnp.where(meaningful, scale_f32(init), np.float32(0))
 
 
 def _on_data(primitive, args: Sequence[Value], comp: _Computation, count: int, **params) -> list:
@@ -160,7 +160,7 @@ def _on_data(primitive, args: Sequence[Value], comp: _Computation, count: int, *
     at one scale: the largest of its operands and init values, times ``sqrt(count)`` if the
     computation adds (``count`` values meet in one result)."""
     lanes = len(args) // 2
-    headroom = jnp.float32(sqrt_pow2(count) if comp.adds else 1.0)
+    headroom = np.float32(sqrt_pow2(count) if comp.adds else 1.0)
     group_scale: dict[int, jax.Array] = {}
     for lane in filter(lambda i: _is_float(args[i]), range(lanes)):
         scale = lax.max(scale_f32(args[lane]), _init_scale(args[lanes + lane]))
@@ -189,7 +189,7 @@ def _on_values(primitive, args: Sequence[Value], widened: Callable, **params) ->
         outs = widened(values)
     outs = outs if primitive.multiple_results else [outs]
     return [
-        guarded(out, jnp.float32(1.0), x.dtype, *args) if _is_float(x) else out
+        guarded(out, np.float32(1.0), x.dtype, *args) if _is_float(x) else out
         for out, x in zip(outs, args, strict=False)
     ]
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
@@ -45,7 +46,7 @@ def _evaluate(primitive, *operands: Value, **params) -> ScaledArray:
     scaled or plain) in the compute dtype; the result at scale 1, range-guarded."""
     dtype = as_scaled(operands[0]).dtype
     value = primitive.bind(*[to_compute(x) for x in operands], **params)
-    return guarded(value, jnp.float32(1.0), dtype, *operands)
+    return guarded(value, np.float32(1.0), dtype, *operands)
 
 
 @register_scale_rule(lax.igamma_p)
@@ -98,7 +99,7 @@ if jxi.random_gamma_p is not None:
         in the compute dtype; the key passes through; the samples at scale 1, guarded."""
         a = as_scaled(a)
         value = jxi.random_gamma_p.bind(key, to_compute(a), **params)
-        return guarded(value, jnp.float32(1.0), a.dtype, a)
+        return guarded(value, np.float32(1.0), a.dtype, a)
 
 
 @register_scale_rule(lax.rng_uniform_p)
@@ -107,6 +108,6 @@ def rng_uniform_rule(a: Value, b: Value, **params) -> ScaledArray:
     values range-guarded together; the output has the guarded bounds' scale (exact: the draw
     commutes with power-of-two scaling)."""
     dtype = as_scaled(a).dtype
-    bounds = guarded(jnp.stack([to_compute(a), to_compute(b)]), jnp.float32(1.0), dtype, a, b)
+    bounds = guarded(jnp.stack([to_compute(a), to_compute(b)]), np.float32(1.0), dtype, a, b)
     data = lax.rng_uniform_p.bind(bounds.data[0], bounds.data[1], **params)
     return ScaledArray(data, bounds.scale)

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_scaled.array import ScaledArray
@@ -56,7 +57,7 @@ def _unit(s: jax.Array) -> jax.Array:
 
 
 def _linear(s: jax.Array) -> jax.Array:
-    return jnp.minimum(s, jnp.float32(1))
+    return jnp.minimum(s, np.float32(1))
 
 
 def _resplit(
@@ -69,7 +70,7 @@ def _resplit(
     scale = round_scale(scale)
     if bound:
         floor = static_pow2_round(bound / float(jnp.finfo(dtype).max), "up")
-        scale = jnp.maximum(scale, jnp.float32(floor))
+        scale = jnp.maximum(scale, np.float32(floor))
     return from_compute(value, scale, dtype, *like)
 
 
@@ -203,7 +204,7 @@ def acosh_rule(x: Value, **params) -> ScaledArray:
 
 def _log_of_scale(s: jax.Array) -> jax.Array:
     """``|ln s|`` for a power-of-two ``s``, exact to float32 rounding."""
-    return jnp.abs(pow2_exponent(s)).astype(jnp.float32) * jnp.float32(math.log(2.0))
+    return jnp.abs(pow2_exponent(s)).astype(jnp.float32) * np.float32(math.log(2.0))
 
 
 def _lgamma_estimate(s: jax.Array) -> jax.Array:
@@ -231,7 +232,7 @@ def digamma_rule(x: Value, **params) -> ScaledArray:
 def _trigamma_estimate(s: jax.Array) -> jax.Array:
     """polygamma(1, x) ~ 1/x^2 near 0 and 1/x for large x (capped at the largest scale)."""
     inverse = pow2_reciprocal(s)
-    return jnp.minimum(jnp.where(s < 1, inverse * inverse, inverse), jnp.float32(2.0**127))
+    return jnp.minimum(jnp.where(s < 1, inverse * inverse, inverse), np.float32(2.0**127))
 
 
 @register_scale_rule(lax.polygamma_p)
@@ -270,7 +271,7 @@ def atan2_rule(y: Value, x: Value, **params) -> ScaledArray:
     sy, sx = scale_f32(y), scale_f32(x)
     common = jnp.maximum(sy, sx)
     value = lax.atan2_p.bind(wide_data(y, common), wide_data(x, common), **params)
-    estimate = jnp.clip(sy / sx, jnp.float32(2.0**-126), jnp.float32(1))
+    estimate = jnp.clip(sy / sx, np.float32(2.0**-126), np.float32(1))
     return _resplit(value, estimate, y.dtype, y, x, bound=math.pi)
 
 
