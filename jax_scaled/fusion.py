@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
@@ -41,7 +42,7 @@ def bundle_scales(values: list, inputs: list) -> list:
         return values
     scales = list(picked.values())
     copies = [lax.broadcast(s, (2,)) for s in scales]
-    lowest = [jnp.array(-jnp.inf, s.dtype) for s in scales]
+    lowest = [np.array(-np.inf, s.dtype) for s in scales]
     bundled = dict(zip(picked, lax.reduce(copies, lowest, _elementwise_max, (0,)), strict=True))
     return [
         ScaledArray(x.data, bundled[id(x.scale)]) if id(getattr(x, "scale", None)) in bundled else x

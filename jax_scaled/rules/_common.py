@@ -282,7 +282,7 @@ def largest_magnitude(wide: jax.Array) -> jax.Array:
     axes = tuple(range(wide.ndim))
     if wide.size >= _LARGE_REDUCTION:
         return lax.reduce_max(lax.abs(wide), axes)
-    lowest, highest = jnp.array(-jnp.inf, wide.dtype), jnp.array(jnp.inf, wide.dtype)
+    lowest, highest = np.array(-np.inf, wide.dtype), np.array(np.inf, wide.dtype)
     largest, smallest = lax.reduce((wide, wide), (lowest, highest), _max_and_min, axes)
     return lax.max(largest, lax.neg(smallest))
 
