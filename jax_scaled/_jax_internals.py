@@ -138,12 +138,18 @@ __all__ = [
     "pvary_p",
     "reshard_p",
     "manual_axis_kwargs",
+    "current_trace",
     "varying_axes",
     "vma_checked",
     "lax_primitives",
     "mlir",
     "split_p",
 ]
+
+
+def current_trace() -> object:
+    """The trace that primitives bound now are staged into (or evaluated by)."""
+    return _core.trace_ctx.trace
 
 
 def eqn_source_line(eqn: JaxprEqn) -> str:

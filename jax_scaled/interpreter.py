@@ -26,7 +26,13 @@ from jax_scaled.any_scale import AnyScaleValue
 from jax_scaled.array import ScaledArray, _is_array_like
 from jax_scaled.config import ScalifyConfig, current_config
 from jax_scaled.fusion import bundle_scales
-from jax_scaled.pow2 import pow2_split, static_pow2_split
+from jax_scaled.memo import memoized, scale_memo
+from jax_scaled.pow2 import (
+    MIN_SCALE_EXPONENT,
+    pow2_exponent,
+    pow2_from_exponent,
+    static_pow2_split,
+)
 from jax_scaled.registry import applies_to_unscaled, find_scale_rule
 
 Value = Any  # jax.Array | ScaledArray
@@ -136,7 +142,8 @@ def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
         return out_leaves
 
     closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in dynamic])
-    out_slots = interpret_jaxpr(closed.jaxpr, closed.consts, [Slot(x) for x in dynamic])
+    with scale_memo():
+        out_slots = interpret_jaxpr(closed.jaxpr, closed.consts, [Slot(x) for x in dynamic])
     outputs = bundle_scales([s.value for s in out_slots], dynamic)
     return jax.tree.unflatten(out_tree_box[0], outputs)
 
@@ -315,7 +322,10 @@ def _scalar_of(slot: Slot) -> Any:
 
 def _elementwise_fact(eqn: jxi.JaxprEqn, in_slots: list[Slot], out: Any) -> Slot:
     """An elementwise op of broadcast scalars: apply it to the scalars themselves."""
-    base = eqn.primitive.bind(*[_scalar_of(s) for s in in_slots], **eqn.params)
+    if np.ndim(out) == 0:
+        base = out  # the equation itself already computed the scalar
+    else:
+        base = eqn.primitive.bind(*[_scalar_of(s) for s in in_slots], **eqn.params)
     constant = None
     if all(s.constant is not None for s in in_slots):
         with jax.ensure_compile_time_eval():
@@ -394,9 +404,28 @@ def _zero_factor_scale(other_scale: jax.Array) -> jax.Array:
         with np.errstate(divide="ignore"):
             scale = _SMALLEST_NORMAL / other_scale.astype(np.float32)
         return np.clip(scale, _SMALLEST_NORMAL, 1.0).astype(other_scale.dtype)
-    scale = np.float32(_SMALLEST_NORMAL) / jnp.asarray(other_scale, jnp.float32)
-    scale = jax.lax.clamp(np.float32(_SMALLEST_NORMAL), scale, np.float32(1.0))
-    return scale.astype(other_scale.dtype)
+    # 2^-126 / 2^e = 2^(-126 - e), from the exponent: a float division would be a kernel
+    # of its own in XLA:CPU, once for every promoted operand.
+    exponent = np.int32(MIN_SCALE_EXPONENT) - pow2_exponent(other_scale)
+    exponent = jax.lax.clamp(np.int32(MIN_SCALE_EXPONENT), exponent, np.int32(0))
+    return pow2_from_exponent(exponent, clamp=False).astype(other_scale.dtype)
+
+
+def _split_scalar(base: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(mantissa, scale, any_scale)`` of a 0-d float value: for a normal float32 number,
+    its exact split into a mantissa in ``[1, 2)`` (signed) and a power of two, with bit
+    operations; for anything else (zero, subnormal, infinity, NaN), the value at scale 1.
+    ``any_scale`` is true for zeros, infinities and NaNs, the same at any scale."""
+    value = jnp.asarray(base).astype(np.float32)
+    bits = jax.lax.bitcast_convert_type(value, np.uint32)
+    exponent_bits = bits & np.uint32(0x7F800000)
+    normal = (exponent_bits != np.uint32(0)) & (exponent_bits != np.uint32(0x7F800000))
+    unit = (bits & np.uint32(0x807FFFFF)) | np.uint32(0x3F800000)  # same sign and mantissa
+    mantissa = jax.lax.select(normal, jax.lax.bitcast_convert_type(unit, np.float32), value)
+    power = jax.lax.bitcast_convert_type(exponent_bits, np.float32)
+    scale = jax.lax.select(normal, power, np.float32(1.0))
+    zero = (bits & np.uint32(0x7FFFFFFF)) == np.uint32(0)
+    return mantissa, scale, zero | (exponent_bits == np.uint32(0x7F800000))
 
 
 def _promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) -> Value:
@@ -416,11 +445,10 @@ def _promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) -
         # A numpy (static) scale tells rules this operand is a trace-time constant.
         return ScaledArray(data, np.asarray(scale, np.float32).astype(scale_dtype))
     if slot.base is not None:
-        mantissa, scale = pow2_split(jnp.asarray(slot.base))
+        mantissa, scale, any_scale = memoized("split", slot.base, lambda: _split_scalar(slot.base))
         # A traced zero (or inf, nan) is the same at any scale: take the other operand's.
-        any_scale = (mantissa == 0) | ~jnp.isfinite(mantissa)
-        scale = jnp.where(any_scale, reference().astype(jnp.float32), scale)
-        data = jnp.broadcast_to(mantissa.astype(value.dtype), value.shape)
+        scale = jax.lax.select(any_scale, reference().astype(np.float32), scale)
+        data = jax.lax.broadcast_in_dim(mantissa.astype(value.dtype), value.shape, ())
         return ScaledArray(data, scale.astype(scale_dtype))
     scale = jnp.asarray(slot.estimate, jnp.float32)
     wide = jnp.promote_types(value.dtype, jnp.float32)

@@ -77,6 +77,22 @@ def pow2_from_exponent(exponent: jnp.ndarray, clamp: bool = True) -> jnp.ndarray
     return lax.bitcast_convert_type(biased << _MANTISSA_BITS, jnp.float32)
 
 
+def floor_divide_exponent(exponent: jnp.ndarray, n: int) -> jnp.ndarray:
+    """``floor(exponent / n)`` for an int32 scale exponent in ``[-126, 127]`` and ``n >= 1``,
+    in one or two integer operations (``jnp.floor_divide`` traces a dozen, sign fix-ups
+    included, and scale rules take roots of every normalised value's scale).
+
+    Example:
+        >>> [int(floor_divide_exponent(jnp.int32(e), n)) for e, n in [(-5, 2), (7, 3)]]
+        [-3, 2]
+    """
+    if n & (n - 1) == 0:  # a power of two: an arithmetic shift rounds towards -inf
+        return lax.shift_right_arithmetic(exponent, np.int32(n.bit_length() - 1))
+    # Offset to a non-negative numerator, where lax.div's truncation is the floor.
+    offset = -(MIN_SCALE_EXPONENT // n) + 1
+    return lax.div(exponent + np.int32(n * offset), np.int32(n)) - np.int32(offset)
+
+
 def pow2_exponent(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
     """Integer exponent ``e`` with ``2**e`` the power of two nearest ``|x|`` in ``rounding``.
 

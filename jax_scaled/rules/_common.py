@@ -23,8 +23,11 @@ from jax import lax
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
+from jax_scaled.memo import memoized
 from jax_scaled.pow2 import (
     EXPONENT_BIAS,
+    MAX_SCALE_EXPONENT,
+    MIN_SCALE_EXPONENT,
     Rounding,
     as_float32,
     biased_exponent,
@@ -60,22 +63,47 @@ def out_scale_dtype(*xs: Value) -> jnp.dtype:
     return e8m0 if e8m0 in dtypes else jnp.dtype(jnp.float32)
 
 
+def is_static(x: Any) -> bool:
+    """True for a trace-time constant (a numpy value or Python number), as rules produce
+    for scales known without tracing (``scale 1`` of ``exp``, a constant operand's)."""
+    return isinstance(x, np.ndarray | np.generic | float | int)
+
+
 def round_scale(scale: jax.Array) -> jax.Array:
-    """Round a positive float32 scale estimate to a power of two (configured rounding)."""
-    return pow2_round_positive(scale, current_config().rounding)
+    """Round a positive float32 scale estimate to a power of two (configured rounding); a
+    static estimate is rounded at trace time, to a numpy float32."""
+    rounding = current_config().rounding
+    if is_static(scale):  # the same clamping as pow2_round_positive
+        value = float(scale)
+        if not value > 0:
+            return np.float32(2.0**MIN_SCALE_EXPONENT)
+        return np.float32(
+            2.0**MAX_SCALE_EXPONENT if math.isinf(value) else static_pow2_round(value, rounding)
+        )
+    return pow2_round_positive(scale, rounding)
 
 
 def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
     """Cast a float32 power-of-two ``scale`` to the scale dtype of the inputs ``like``.
 
-    A traced scale goes through ``optimization_barrier``: XLA then computes it once, instead
-    of copying its whole upstream chain of scalar arithmetic into every fusion that reads
-    it, which grows a deep unrolled network's compiled program quadratically with depth.
+    A traced scale goes through ``optimization_barrier``, which keeps XLA's simplifier from
+    merging the chains of scalar arithmetic of a deep unrolled network (measured in
+    docs/benchmarks.md).
+    A static scale (numpy, see :func:`is_static`) stays a numpy value: no staged constant,
+    and rules that read it can fold it at trace time.
     """
-    scale = as_float32(scale)
-    if isinstance(scale, jxi.Tracer):
-        scale = lax.optimization_barrier(scale)
     dtype = out_scale_dtype(*like)
+    if is_static(scale):  # a trace-time constant stays one (no staged constant)
+        if dtype == jnp.float8_e8m0fnu:
+            scale = max(float(scale), 2.0**-127)  # E8M0 has no zero (see below)
+        return np.asarray(scale, np.float32).astype(dtype)
+    scale = as_float32(scale)
+    if not isinstance(scale, jxi.Tracer):
+        return _cast_scale(scale, dtype)
+    return _cast_scale(lax.optimization_barrier(scale), dtype)
+
+
+def _cast_scale(scale: jax.Array, dtype) -> jax.Array:
     if scale.dtype == dtype:
         return scale
     if dtype == jnp.float8_e8m0fnu:
@@ -121,7 +149,18 @@ def ratio_to_pow2(scale: jax.Array, target: jax.Array) -> jax.Array:
     """
     if scale is target:
         return np.ones((), np.float32)
-    return scale * pow2_reciprocal(target)
+    return scale * scale_reciprocal(target)
+
+
+def scale_reciprocal(scale: jax.Array) -> jax.Array:
+    """``1 / scale`` of a power-of-two scale (:func:`~jax_scaled.pow2.pow2_reciprocal`),
+    computed once per traced scale within a scalified call (:mod:`jax_scaled.memo`).
+
+    Example:
+        >>> float(scale_reciprocal(np.float32(0.25)))
+        4.0
+    """
+    return memoized("pow2_reciprocal", scale, lambda: pow2_reciprocal(scale))
 
 
 def align(*xs: Value, scale: jax.Array | None = None) -> tuple[list[jax.Array], jax.Array]:
@@ -159,8 +198,11 @@ def to_compute(x: Value) -> jax.Array:
 
 def from_compute(value: jax.Array, scale: jax.Array, dtype, *like: Value) -> ScaledArray:
     """A ScaledArray of ``value`` (compute dtype) at the power-of-two ``scale`` (float32)."""
-    data = (value / scale.astype(value.dtype)).astype(dtype)
-    return ScaledArray(data, make_scale(scale, *like))
+    if is_static(scale):
+        data = value if float(scale) == 1 else value / np.asarray(scale, value.dtype)
+    else:
+        data = value / scale.astype(value.dtype)
+    return ScaledArray(data.astype(dtype), make_scale(scale, *like))
 
 
 def rounded_l2_scale(*scales: jax.Array) -> jax.Array:

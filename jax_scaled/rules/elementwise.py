@@ -12,7 +12,13 @@ from jax import lax
 
 from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
-from jax_scaled.pow2 import EXPONENT_BIAS, MIN_SCALE_EXPONENT, pow2_exponent, pow2_from_exponent
+from jax_scaled.pow2 import (
+    EXPONENT_BIAS,
+    MIN_SCALE_EXPONENT,
+    floor_divide_exponent,
+    pow2_exponent,
+    pow2_from_exponent,
+)
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import (
     Value,
@@ -237,7 +243,7 @@ def _wide(x: ScaledArray) -> jax.Array:
 def _root_split(x: ScaledArray, n: int) -> tuple[jax.Array, jax.Array]:
     """``(d * 2^r, k)`` in the compute dtype with ``s = 2^(n*k + r)``, ``0 <= r < n``."""
     exponent = pow2_exponent(scale_f32(x))
-    k = jnp.floor_divide(exponent, n)
+    k = floor_divide_exponent(exponent, n)
     return _wide(x) * pow2_from_exponent(exponent - n * k).astype(compute_dtype(x.dtype)), k
 
 

@@ -19,7 +19,7 @@ from jax.lax import linalg as lax_linalg
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray, asarray
-from jax_scaled.pow2 import pow2_exponent, pow2_from_exponent
+from jax_scaled.pow2 import floor_divide_exponent, pow2_exponent, pow2_from_exponent
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import Value, align, as_scaled, make_scale, rescale, scale_f32
 
@@ -50,7 +50,7 @@ def qr_rule(x: ScaledArray, **params) -> list[Value]:
 def cholesky_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: with ``s = 2^(2k + r)``, ``cholesky(d * s) = cholesky(d * 2^r) * 2^k``."""
     exponent = pow2_exponent(scale_f32(x))
-    k = jnp.floor_divide(exponent, 2)
+    k = floor_divide_exponent(exponent, 2)
     data = rescale(x.data, pow2_from_exponent(exponent - 2 * k))
     factor = lax_linalg.cholesky_p.bind(data, **params)
     return ScaledArray(factor, make_scale(pow2_from_exponent(k), x))
@@ -135,7 +135,7 @@ def symmetric_product_rule(a: Value, c: Value, *, alpha, beta, **params) -> Scal
     most 1: exact unless the data underflows). ``2^(2m)`` must be a float32 scale: ``sa`` up
     to ``2^63``."""
     a_exp, c_exp = pow2_exponent(scale_f32(a)), pow2_exponent(scale_f32(c))
-    half_c_exp = -jnp.floor_divide(-c_exp, 2)  # ceil(c_exp / 2)
+    half_c_exp = -floor_divide_exponent(-c_exp, 2)  # ceil(c_exp / 2)
     # A term with a zero coefficient neither bounds the scale nor is rescaled (0 * inf).
     m = a_exp if beta == 0 else half_c_exp if alpha == 0 else lax.max(a_exp, half_c_exp)
     a_data, c_data = as_scaled(a).data, as_scaled(c).data

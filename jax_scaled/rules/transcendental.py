@@ -37,6 +37,7 @@ from jax_scaled.rules._common import (
     as_scaled,
     compute_dtype,
     from_compute,
+    is_static,
     make_scale,
     round_scale,
     scale_f32,
@@ -53,6 +54,10 @@ _LN2_LO = math.log(2.0) - _LN2_HI
 
 
 def _unit(s: jax.Array) -> jax.Array:
+    # Traced on purpose: a static 1 would let scale arithmetic chain uncut through softmax
+    # (a float division of traced scales, which XLA compiles once instead of copying it
+    # into every reader), and the deep unrolled transformer of benchmarks/trace_speed.py
+    # then compiles quadratically in depth (docs/benchmarks.md).
     return jnp.ones_like(s)
 
 
@@ -69,8 +74,8 @@ def _resplit(
     """
     scale = round_scale(scale)
     if bound:
-        floor = static_pow2_round(bound / float(jnp.finfo(dtype).max), "up")
-        scale = jnp.maximum(scale, np.float32(floor))
+        floor = np.float32(static_pow2_round(bound / float(jnp.finfo(dtype).max), "up"))
+        scale = np.maximum(scale, floor) if is_static(scale) else lax.max(scale, floor)
     return from_compute(value, scale, dtype, *like)
 
 

@@ -1,0 +1,82 @@
+"""Per-trace memo of scale arithmetic: derive each traced quantity once per scalified call.
+
+Scale rules derive the same quantities from the same traced scales over and over: the two
+sides of an ``add`` both need the reciprocal of the common scale, and a traced scalar
+(optax's bias correction, a scheduled learning rate) is split into mantissa and power of
+two once for every parameter it meets. Each repetition is a few more equations to trace,
+lower and compile. :func:`memoized` computes such a quantity once per traced key and trace,
+for the duration of a :func:`scale_memo` block (``scalify`` opens one per call).
+
+Entries hold the key and the trace they were computed under, so an id is never reused while
+the memo lives, and a value computed under one trace (a loop body's) is never handed to
+another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from jax_scaled import _jax_internals as jxi
+
+T = TypeVar("T")
+
+_local = threading.local()
+
+
+def _stack() -> list[dict]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+@contextlib.contextmanager
+def scale_memo() -> Iterator[None]:
+    """A block in which :func:`memoized` reuses what it computed (nested blocks start empty).
+
+    Example:
+        >>> with scale_memo():
+        ...     memo_size()
+        0
+    """
+    _stack().append({})
+    try:
+        yield
+    finally:
+        _stack().pop()
+
+
+def memoized(kind: str, key: Any, compute: Callable[[], T]) -> T:
+    """``compute()``, reused for the same traced ``key``, ``kind`` and trace in the innermost
+    :func:`scale_memo` block. Outside any block, or for a concrete ``key``, it just computes.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> reused = []
+        >>> def f(x):
+        ...     with scale_memo():
+        ...         doubled = memoized("double", x, lambda: x * 2)
+        ...         reused.append(doubled is memoized("double", x, lambda: x * 2))
+        ...     return doubled
+        >>> float(jax.jit(f)(jnp.float32(1.0))), reused
+        (2.0, [True])
+    """
+    stack = _stack()
+    if not stack or not isinstance(key, jxi.Tracer):
+        return compute()
+    trace = jxi.current_trace()
+    entry_key = (kind, id(key), id(trace))
+    entry = stack[-1].get(entry_key)
+    if entry is not None and entry[0] is key and entry[1] is trace:
+        return entry[2]
+    value = compute()
+    stack[-1][entry_key] = (key, trace, value)
+    return value
+
+
+def memo_size() -> int:
+    """Entries in the innermost :func:`scale_memo` block (0 outside any)."""
+    stack = _stack()
+    return len(stack[-1]) if stack else 0

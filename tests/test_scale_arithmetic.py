@@ -1,0 +1,224 @@
+"""Scale arithmetic kept small: memoised per trace, integer exponent helpers, static scales
+kept static, and traced scalars split once. Values must be exactly those of the plain
+formulation; the program must get shorter."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax import lax
+
+import jax_scaled as js
+from jax_scaled import interpreter
+from jax_scaled.memo import memo_size, memoized, scale_memo
+from jax_scaled.pow2 import floor_divide_exponent, static_pow2_split
+from jax_scaled.rules._common import from_compute, round_scale, scale_reciprocal
+
+
+def count_equations(closed) -> int:
+    def walk(jaxpr):
+        total = 0
+        for eqn in jaxpr.eqns:
+            total += 1
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, tuple | list) else [param]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        total += walk(inner)
+        return total
+
+    return walk(closed.jaxpr)
+
+
+# ---------------------------------------------------------------------------------------
+# memo
+# ---------------------------------------------------------------------------------------
+
+
+def test_memo_reuses_within_a_block_and_trace_only():
+    calls = []
+
+    def compute(x):
+        calls.append(x)
+        return x * 2
+
+    def f(x):
+        with scale_memo():
+            a = memoized("double", x, lambda: compute(x))
+            b = memoized("double", x, lambda: compute(x))
+            c = memoized("other", x, lambda: compute(x))
+            size = memo_size()
+        outside = memoized("double", x, lambda: compute(x))
+        return a, b, c, outside, size
+
+    out = {}
+
+    def traced(x):
+        a, b, c, outside, size = f(x)
+        out.update(same=a is b, other=a is c, outside=a is outside, size=size)
+        return a
+
+    jax.make_jaxpr(traced)(jnp.float32(1.0))
+    assert out == {"same": True, "other": False, "outside": False, "size": 2}
+    assert len(calls) == 3  # double, other, and the call outside the block
+
+
+def test_memo_never_hands_a_value_to_another_trace():
+    """A value memoised under the outer trace is recomputed inside a nested trace (a loop
+    body's); reusing it there would leak an outer tracer into the body."""
+    seen = []
+
+    def f(x):
+        with scale_memo():
+            outer = memoized("double", x, lambda: x * 2)
+
+            def body(carry):
+                inner = memoized("double", x, lambda: x * 2)
+                seen.append(inner is outer)
+                return carry + inner
+
+            return lax.fori_loop(0, 3, lambda i, c: body(c), outer)
+
+    assert float(jax.jit(f)(jnp.float32(1.0))) == 8.0
+    assert seen == [False]
+
+
+def test_memo_computes_concrete_keys_directly():
+    with scale_memo():
+        first = memoized("reciprocal", np.float32(4.0), lambda: np.float32(0.25))
+        assert first == 0.25 and memo_size() == 0
+
+
+def test_add_of_two_sides_shares_the_reciprocal_of_their_common_scale():
+    def f(x, y):
+        return x + y
+
+    args = (js.scaled_array(jnp.ones(4), 2.0), js.scaled_array(jnp.ones(4), 8.0))
+    jaxpr = jax.make_jaxpr(js.scalify(f))(*args)
+    bitcasts = [e for e in jaxpr.jaxpr.eqns if e.primitive is lax.bitcast_convert_type_p]
+    assert len(bitcasts) == 2  # one reciprocal: to int32 and back
+    np.testing.assert_array_equal(js.asarray(js.scalify(f)(*args)), np.full(4, 10.0))
+
+
+@pytest.mark.parametrize("exponent", [-126, -3, 0, 5, 126])
+def test_scale_reciprocal_is_exact(exponent):
+    assert float(scale_reciprocal(np.float32(2.0**exponent))) == 2.0**-exponent
+
+
+# ---------------------------------------------------------------------------------------
+# integer exponent helpers and static scales
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8])
+def test_floor_divide_exponent_matches_numpy_over_the_scale_range(n):
+    exponents = np.arange(-127, 128, dtype=np.int32)
+    got = floor_divide_exponent(jnp.asarray(exponents), n)
+    np.testing.assert_array_equal(got, np.floor_divide(exponents, n))
+
+
+@pytest.mark.parametrize("scale", [2.0**-60, 0.375, 1.0, 3.0, 2.0**100])
+def test_static_rounding_matches_traced_rounding(scale):
+    static = round_scale(np.float32(scale))
+    assert isinstance(static, np.floating)
+    assert float(static) == float(jax.jit(round_scale)(jnp.float32(scale)))
+
+
+@pytest.mark.parametrize("estimate", [0.0, np.inf])
+def test_static_rounding_clamps_like_traced_rounding(estimate):
+    traced = jax.jit(round_scale)(jnp.float32(estimate))
+    assert float(round_scale(np.float32(estimate))) == float(traced)
+
+
+@pytest.mark.parametrize("scale", [np.float32(1.0), np.float32(0.25)])
+@pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.float8_e8m0fnu])
+def test_static_output_scale_stays_static(scale, scale_dtype):
+    """A trace-time scale is applied without staging anything for it, and keeps its dtype."""
+    like = js.ScaledArray(jnp.ones(4), jnp.asarray(1.0, scale_dtype))
+    value = jnp.linspace(-1.0, 1.0, 4)
+    out = from_compute(value, scale, jnp.float16, like)
+    assert isinstance(out.scale, np.ndarray) and out.scale.dtype == scale_dtype
+    np.testing.assert_array_equal(out.to_array(jnp.float32), value.astype(jnp.float16))
+
+    closed = jax.make_jaxpr(lambda v: from_compute(v, scale, jnp.float16, like).data)(value)
+    assert [e.primitive.name for e in closed.jaxpr.eqns] == (
+        ["convert_element_type"] if scale == 1 else ["div", "convert_element_type"]
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# traced scalars: split once, exactly
+# ---------------------------------------------------------------------------------------
+
+
+def split(value, dtype=jnp.float32):
+    mantissa, scale, any_scale = interpreter._split_scalar(jnp.asarray(value, dtype))
+    return float(mantissa), float(scale), bool(any_scale)
+
+
+@given(
+    st.floats(min_value=2.0**-126, max_value=3e38)
+    | st.floats(max_value=-(2.0**-126), min_value=-3e38)
+)
+def test_traced_scalar_split_is_exact_for_normal_numbers(value):
+    value = float(np.float32(value))
+    mantissa, scale, any_scale = split(value)
+    assert (mantissa, scale, any_scale) == (*static_pow2_split(value), False)
+
+
+def test_traced_scalar_split_of_special_values():
+    assert split(0.0) == (0.0, 1.0, True)
+    assert split(np.inf) == (np.inf, 1.0, True)
+    mantissa, scale, any_scale = split(np.nan)
+    assert np.isnan(mantissa) and (scale, any_scale) == (1.0, True)
+    tiny = float(np.float32(2.0**-140))  # a float32 subnormal: kept exactly, at scale 1
+    assert split(tiny) == (tiny, 1.0, False)
+
+
+def test_traced_scalar_split_of_narrow_formats():
+    assert split(-6.0, jnp.float16) == (-1.5, 4.0, False)
+    assert split(2.0**-20, jnp.bfloat16) == (1.0, 2.0**-20, False)
+
+
+def adam_update(grads, state, params):
+    updates, state = optax.adam(1e-3).update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
+def adam_inputs(leaves: int):
+    params = {f"w{i}": jnp.full((4, 4), 0.5 + i) for i in range(leaves)}
+    state = optax.adam(1e-3).init(params)
+    grads = jax.tree.map(lambda p: 0.01 * p, params)
+    return js.as_scaled_array((grads, state, params))
+
+
+def test_bias_correction_is_split_once_for_every_parameter():
+    """optax.adam divides every moment by the same traced bias correction: its split is
+    traced once, not once per parameter."""
+    one, four = (count_equations(jax.make_jaxpr(js.scalify(adam_update))(*adam_inputs(n)))
+                 for n in (1, 4))  # fmt: skip
+    per_extra_leaf = (four - one) / 3
+    assert per_extra_leaf < 0.8 * one
+
+
+def test_adam_update_with_split_scalars_matches_plain():
+    scaled = adam_inputs(3)
+    plain = js.asarray(scaled)
+    for _ in range(2):
+        got = jax.jit(js.scalify(adam_update))(*scaled)
+        expected = adam_update(*plain)
+        scaled = (scaled[0], got[1], got[0])
+        plain = (plain[0], expected[1], expected[0])
+    for key in expected[0]:
+        np.testing.assert_allclose(js.asarray(got[0][key]), expected[0][key], rtol=1e-6)
+
+
+def test_zero_factor_scale_from_exponents():
+    for exponent in [-126, -30, 0, 40, 127]:
+        got = interpreter._zero_factor_scale(jnp.float32(2.0**exponent))
+        expected = np.clip(2.0**-126 / 2.0**exponent, 2.0**-126, 1.0)
+        assert float(got) == expected, exponent
+    assert float(interpreter._zero_factor_scale(jnp.float32(0.0))) == 1.0
