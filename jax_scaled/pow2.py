@@ -79,7 +79,7 @@ def pow2_from_exponent(exponent: jnp.ndarray, clamp: bool = True) -> jnp.ndarray
 
 def floor_divide_exponent(exponent: jnp.ndarray, n: int) -> jnp.ndarray:
     """``floor(exponent / n)`` for an int32 scale exponent in ``[-126, 127]`` and ``n >= 1``,
-    in one or two integer operations (``jnp.floor_divide`` traces a dozen, sign fix-ups
+    in at most three integer operations (``jnp.floor_divide`` traces a dozen, sign fix-ups
     included, and scale rules take roots of every normalised value's scale).
 
     Example:
