@@ -55,7 +55,7 @@ from jax_scaled.interpreter import (
     register_higher_order_rule,
 )
 from jax_scaled.pow2 import MIN_SCALE_EXPONENT
-from jax_scaled.rules._common import rescale, safe_ratio
+from jax_scaled.rules._common import is_static, rescale, safe_ratio
 
 Value = Any  # jax.Array | ScaledArray
 Signature = Any  # the scale dtype of a ScaledArray, or None for a plain value
@@ -278,7 +278,7 @@ def _pack_y(slot: Slot, invariant: dict[int, jax.Array]) -> tuple[Any, Callable]
     if not isinstance(value, ScaledArray):
         return value, _plain_slot
     scale = value.scale
-    if invariant.get(id(scale)) is scale or isinstance(scale, np.ndarray | np.generic):
+    if invariant.get(id(scale)) is scale or is_static(scale):
         return value.data, lambda data: Slot(ScaledArray._trusted(data, scale))
     return (value.data, scale), _unify_rows
 

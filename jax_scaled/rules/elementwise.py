@@ -28,6 +28,7 @@ from jax_scaled.rules._common import (
     from_compute,
     guard_band,
     guarded,
+    is_static,
     largest_biased_exponent,
     make_scale,
     max_scale,
@@ -125,7 +126,7 @@ def stop_gradient_rule(x: ScaledArray, **params) -> ScaledArray:
 
 def _has_static_scale(x: Value) -> bool:
     """True for a trace-time constant promoted by the interpreter (its scale is numpy)."""
-    return isinstance(x, ScaledArray) and isinstance(x.scale, np.ndarray | np.generic)
+    return isinstance(x, ScaledArray) and is_static(x.scale)
 
 
 def _headroom(dtype) -> float:
