@@ -328,10 +328,29 @@ def _elementwise_fact(eqn: jxi.JaxprEqn, in_slots: list[Slot], out: Any) -> Slot
         base = eqn.primitive.bind(*[_scalar_of(s) for s in in_slots], **eqn.params)
     constant = None
     if all(s.constant is not None for s in in_slots):
-        with jax.ensure_compile_time_eval():
-            scalars = [np.asarray(s.constant, s.value.dtype) for s in in_slots]
-            constant = float(eqn.primitive.bind(*scalars, **eqn.params))
+        scalars = [np.asarray(s.constant, s.value.dtype) for s in in_slots]
+        constant = _fold_constant(eqn, scalars)
     return Slot(out, constant=constant, base=base)
+
+
+# Correctly rounded in every float dtype, so numpy folds them exactly as XLA computes them.
+_NUMPY_EXACT = {
+    "neg": np.negative, "add": np.add, "sub": np.subtract, "mul": np.multiply,
+    "div": np.divide, "max": np.maximum, "min": np.minimum, "abs": np.abs, "sign": np.sign,
+    "square": np.square,
+}  # fmt: skip
+
+
+def _fold_constant(eqn: jxi.JaxprEqn, scalars: list[np.ndarray]) -> float:
+    """The value of an elementwise equation on constant scalars, at trace time. Exact
+    arithmetic folds in numpy; the rest runs through XLA (compiled once per primitive and
+    dtype in a process: tens of milliseconds)."""
+    exact = _NUMPY_EXACT.get(eqn.primitive.name)
+    if exact is not None:
+        with np.errstate(all="ignore"):
+            return float(np.asarray(exact(*scalars), scalars[0].dtype))
+    with jax.ensure_compile_time_eval():
+        return float(eqn.primitive.bind(*scalars, **eqn.params))
 
 
 def _summed_fact(source: Slot, out: Any, axes: Sequence[int]) -> Slot:
@@ -406,7 +425,7 @@ def _zero_factor_scale(other_scale: jax.Array) -> jax.Array:
         return np.clip(scale, _SMALLEST_NORMAL, 1.0).astype(other_scale.dtype)
     # 2^-126 / 2^e = 2^(-126 - e), from the exponent: a float division would be a kernel
     # of its own in XLA:CPU, once for every promoted operand.
-    exponent = np.int32(MIN_SCALE_EXPONENT) - pow2_exponent(other_scale)
+    exponent = jax.lax.sub(np.int32(MIN_SCALE_EXPONENT), pow2_exponent(other_scale))
     exponent = jax.lax.clamp(np.int32(MIN_SCALE_EXPONENT), exponent, np.int32(0))
     return pow2_from_exponent(exponent, clamp=False).astype(other_scale.dtype)
 

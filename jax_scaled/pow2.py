@@ -71,10 +71,16 @@ def pow2_from_exponent(exponent: jnp.ndarray, clamp: bool = True) -> jnp.ndarray
         >>> float(pow2_from_exponent(jnp.int32(-3))), float(pow2_from_exponent(jnp.int32(500)))
         (0.125, 1.7014118346046923e+38)
     """
+    if isinstance(exponent, np.ndarray | np.generic | int):  # static: numpy in, numpy out
+        exponent = np.asarray(exponent, np.int32)
+        if clamp:
+            exponent = np.clip(exponent, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
+        biased = (exponent + EXPONENT_BIAS).astype(np.uint32) << _MANTISSA_BITS
+        return np.asarray(biased).view(np.float32)
     if clamp:
         exponent = lax.clamp(MIN_SCALE_EXPONENT, exponent, MAX_SCALE_EXPONENT)
-    biased = (exponent + EXPONENT_BIAS).astype(jnp.uint32)
-    return lax.bitcast_convert_type(biased << _MANTISSA_BITS, jnp.float32)
+    biased = lax.convert_element_type(lax.add(exponent, np.int32(EXPONENT_BIAS)), jnp.uint32)
+    return lax.bitcast_convert_type(lax.shift_left(biased, np.uint32(_MANTISSA_BITS)), jnp.float32)
 
 
 def floor_divide_exponent(exponent: jnp.ndarray, n: int) -> jnp.ndarray:
@@ -106,17 +112,24 @@ def pow2_exponent(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
         2
     """
     rounding = Rounding(rounding)
+    # lax operations, not jax.numpy operators: scale rules call this on every traced scale,
+    # and each jax.numpy operator costs a nested trace.
     bits = _bits(jnp.asarray(x))
-    biased = ((bits >> _MANTISSA_BITS) & 0xFF).astype(jnp.int32)
-    mantissa_bits = bits & ((1 << _MANTISSA_BITS) - 1)
-    exponent = biased - EXPONENT_BIAS
+    biased = lax.convert_element_type(
+        lax.bitwise_and(lax.shift_right_logical(bits, np.uint32(_MANTISSA_BITS)), np.uint32(0xFF)),
+        jnp.int32,
+    )
+    mantissa_bits = lax.bitwise_and(bits, np.uint32((1 << _MANTISSA_BITS) - 1))
+    exponent = lax.sub(biased, np.int32(EXPONENT_BIAS))
     if rounding is Rounding.UP:
-        exponent = exponent + (mantissa_bits != 0).astype(jnp.int32)
+        round_up = lax.ne(mantissa_bits, np.uint32(0))
     elif rounding is Rounding.NEAREST:
-        exponent = exponent + (mantissa_bits >= _SQRT2_MANTISSA_BITS).astype(jnp.int32)
-    exponent = _select(biased == 0, MIN_SCALE_EXPONENT, exponent)
-    exponent = _select(biased == 0xFF, 0, exponent)
-    return lax.clamp(MIN_SCALE_EXPONENT, exponent, MAX_SCALE_EXPONENT)
+        round_up = lax.ge(mantissa_bits, np.uint32(_SQRT2_MANTISSA_BITS))
+    if rounding is not Rounding.DOWN:
+        exponent = lax.add(exponent, lax.convert_element_type(round_up, jnp.int32))
+    exponent = _select(lax.eq(biased, np.int32(0)), MIN_SCALE_EXPONENT, exponent)
+    exponent = _select(lax.eq(biased, np.int32(0xFF)), 0, exponent)
+    return lax.clamp(np.int32(MIN_SCALE_EXPONENT), exponent, np.int32(MAX_SCALE_EXPONENT))
 
 
 def pow2_round(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
@@ -274,6 +287,30 @@ def pow2_reciprocal(scale) -> jax.Array:
     # subnormal pattern; 2^127 gives 0 and an infinite scale is clamped to 0 as well.
     reciprocal = lax.max(lax.sub(np.int32(254 << _MANTISSA_BITS), bits), np.int32(0))
     return lax.bitcast_convert_type(reciprocal, jnp.float32)
+
+
+def pow2_ratio(numerator, denominator) -> jax.Array:
+    """``numerator / denominator`` of float32 powers of two in ``[2^-126, 2^127]`` (or 0),
+    by subtracting exponents: exact wherever the quotient is a float32 normal, clamped to
+    ``[0, 2^127]`` outside (a quotient below ``2^-126`` gives 0). A zero numerator gives 0
+    (``0 / 0`` included), any other over a zero denominator gives inf. The arguments
+    broadcast against each other.
+
+    Scale rules divide scales with it: a float division is an operation XLA will not copy
+    into the kernels that read its result, so each one costs a kernel of its own.
+
+    Example:
+        >>> float(pow2_ratio(jnp.float32(2.0**-3), jnp.float32(2.0**5)))
+        0.00390625
+        >>> float(pow2_ratio(jnp.float32(2.0**127), jnp.float32(2.0**127)))
+        1.0
+    """
+    n_biased, d_biased = biased_exponent(numerator), biased_exponent(denominator)
+    difference = lax.add(lax.sub(n_biased, d_biased), np.int32(EXPONENT_BIAS))  # 0-d broadcasts
+    biased = lax.clamp(np.int32(0), difference, np.int32(254))
+    biased = lax.select(lax.eq(d_biased, np.int32(0)), lax.full_like(biased, 255), biased)  # x/0
+    biased = lax.select(lax.eq(n_biased, np.int32(0)), lax.full_like(biased, 0), biased)  # 0/y
+    return lax.bitcast_convert_type(lax.shift_left(biased, np.int32(_MANTISSA_BITS)), jnp.float32)
 
 
 def pow2_round_sqrt(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Array:

@@ -53,6 +53,21 @@ def test_reduce_sum(dtype, data):
     assert float(out.scale) == float(x.scale) * sqrt_n
 
 
+def test_reduce_sum_of_one_term_is_the_data_unguarded():
+    """Summing a size-1 axis (the gradient of a broadcast bias) copies each datum: no float32
+    accumulation and no range guard, even for float16 data outside the guard band."""
+    x = js.ScaledArray(jnp.full((1, 8), 2.0**13, jnp.float16), jnp.float32(2.0**-5))
+
+    def f(x):
+        return lax.reduce_sum_p.bind(x, axes=(0,), out_sharding=None)
+
+    out = js.scalify(f)(x)
+    np.testing.assert_array_equal(out.data, x.data[0])
+    assert float(out.scale) == 2.0**-5
+    names = {e.primitive.name for e in jax.make_jaxpr(js.scalify(f))(x).jaxpr.eqns}
+    assert names == {"reduce_sum"}
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @few
 @given(data=st.data())
@@ -161,6 +176,15 @@ def test_cumlogsumexp(dtype, data):
     )
     if shape[axis] > 1:
         assert float(out.scale) == max(float(x.scale), 1.0)
+
+
+def test_cumlogsumexp_along_a_length_one_axis_is_the_identity():
+    """Found by hypothesis: a tiny float16 value at scale 1 (the rule's general scale) was
+    subnormal and lost its precision; along a length-1 axis the input comes back as it is."""
+    x = js.ScaledArray(jnp.array([[0.1257, -3.0]], jnp.float16), jnp.float32(2.0**-15))
+    out = js.scalify(lambda v: lax.cumlogsumexp(v, axis=0))(x)
+    np.testing.assert_array_equal(out.data, x.data)
+    assert float(out.scale) == 2.0**-15
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

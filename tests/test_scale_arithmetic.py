@@ -14,8 +14,19 @@ from jax import lax
 import jax_scaled as js
 from jax_scaled import interpreter
 from jax_scaled.memo import memo_size, memoized, scale_memo
-from jax_scaled.pow2 import floor_divide_exponent, static_pow2_split
-from jax_scaled.rules._common import from_compute, round_scale, scale_reciprocal
+from jax_scaled.pow2 import (
+    floor_divide_exponent,
+    pow2_from_exponent,
+    pow2_ratio,
+    static_pow2_split,
+)
+from jax_scaled.rules._common import (
+    from_compute,
+    round_scale,
+    scale_mul,
+    scale_reciprocal,
+    times_scalar,
+)
 
 # ---------------------------------------------------------------------------------------
 # memo
@@ -213,3 +224,100 @@ def test_zero_factor_scale_from_exponents():
         expected = np.clip(2.0**-126 / 2.0**exponent, 2.0**-126, 1.0)
         assert float(got) == expected, exponent
     assert float(interpreter._zero_factor_scale(jnp.float32(0.0))) == 1.0
+
+
+# ---------------------------------------------------------------------------------------
+# exact scale division, lax-only helpers, trace-time constant folding
+# ---------------------------------------------------------------------------------------
+
+EXPONENTS = st.integers(min_value=-126, max_value=127)
+
+
+@given(EXPONENTS, EXPONENTS)
+def test_pow2_ratio_is_exact_or_clamped(n, d):
+    got = float(pow2_ratio(jnp.float32(2.0**n), jnp.float32(2.0**d)))
+    expected = 2.0 ** (n - d)
+    if expected < 2.0**-126:
+        expected = 0.0
+    assert got == min(expected, 2.0**127)
+
+
+def test_pow2_ratio_of_zeros_and_broadcasting():
+    assert float(pow2_ratio(jnp.float32(0.0), jnp.float32(0.0))) == 0.0
+    assert float(pow2_ratio(jnp.float32(0.0), jnp.float32(4.0))) == 0.0
+    assert float(pow2_ratio(jnp.float32(4.0), jnp.float32(0.0))) == np.inf
+    rows = pow2_ratio(jnp.array([1.0, 0.0, 8.0], jnp.float32), jnp.float32(8.0))
+    np.testing.assert_array_equal(rows, [0.125, 0.0, 1.0])
+    cols = pow2_ratio(jnp.float32(2.0), jnp.array([1.0, 0.5], jnp.float32))
+    np.testing.assert_array_equal(cols, [2.0, 4.0])
+
+
+def test_pow2_ratio_has_no_float_division():
+    closed = jax.make_jaxpr(pow2_ratio)(jnp.float32(2.0), jnp.float32(4.0))
+    assert "div" not in {e.primitive.name for e in closed.jaxpr.eqns}
+
+
+@given(st.integers(min_value=-200, max_value=200))
+def test_static_pow2_from_exponent_matches_traced(exponent):
+    static = pow2_from_exponent(np.int32(exponent))
+    assert isinstance(static, np.ndarray) and static.dtype == np.float32
+    assert float(static) == float(jax.jit(pow2_from_exponent)(jnp.int32(exponent)))
+
+
+def test_scale_helpers_keep_static_scales_static_and_stage_lax_only():
+    assert isinstance(scale_mul(np.float32(2.0), np.float32(0.5)), np.floating)
+    assert float(scale_mul(np.float32(2.0), np.float32(0.5))) == 1.0
+
+    def f(data, scale):
+        return times_scalar(data, scale_mul(scale, np.float32(4.0)))
+
+    closed = jax.make_jaxpr(f)(jnp.ones((2, 3), jnp.float16), jnp.float32(0.5))
+    # Two multiplications and one cast, with no nested jit (a jax.numpy operator's).
+    assert [e.primitive.name for e in closed.jaxpr.eqns] == ["mul", "convert_element_type", "mul"]
+    out = f(jnp.ones((2, 3), jnp.float16), jnp.float32(0.5))
+    assert out.dtype == jnp.float16 and float(out[0, 0]) == 2.0
+
+
+FOLDED = ["neg", "add", "sub", "mul", "div", "max", "min", "abs", "sign", "square"]
+
+
+@pytest.mark.parametrize("name", FOLDED)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@given(a=st.floats(-1e4, 1e4, width=16), b=st.floats(-1e4, 1e4, width=16))
+def test_trace_time_folding_matches_xla(name, dtype, a, b):
+    """Constants are folded with numpy for these primitives (no XLA compile while tracing);
+    the value must be bit for bit what XLA computes."""
+    primitive = getattr(lax, f"{name}_p")
+    args = [np.asarray(a, dtype), np.asarray(b, dtype)][: 1 if name in UNARY else 2]
+    closed = jax.make_jaxpr(lambda *xs: primitive.bind(*xs))(*args)
+    folded = interpreter._fold_constant(closed.jaxpr.eqns[0], args)
+    expected = float(jax.jit(lambda *xs: primitive.bind(*xs))(*args))
+    assert folded == expected or (np.isnan(folded) and np.isnan(expected))
+
+
+UNARY = {"neg", "abs", "sign", "square"}
+
+
+def test_scalify_folds_constant_arithmetic_without_compiling():
+    """The gradient of ``-mean`` stages ``neg 1.0`` and a division by the element count on
+    constants; scalify folds them at trace time with numpy, and tracing compiles nothing
+    (an eager XLA op costs tens of milliseconds to compile)."""
+
+    def f(x):
+        return jax.grad(lambda v: -jnp.mean(v * v))(x)
+
+    x = js.as_scaled_array(jnp.linspace(1.0, 2.0, 4))
+    compiles = []
+
+    def listener(name, seconds, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.clear_caches()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.make_jaxpr(js.scalify(f))(x)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    np.testing.assert_allclose(js.asarray(js.scalify(f)(x)), f(js.asarray(x)), rtol=1e-7)

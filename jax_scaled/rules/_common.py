@@ -126,10 +126,41 @@ def as_scaled(x: Value) -> ScaledArray:
     return ScaledArray(x, np.ones((), np.float32))
 
 
+def scale_mul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a * b`` of two float32 0-d scales; a numpy product when both are static.
+
+    Rules multiply scales with it rather than with ``*``: a ``jax.numpy`` operator costs
+    a nested trace, and scale arithmetic runs for every equation of a scalified program.
+
+    Example:
+        >>> scale_mul(np.float32(2.0), np.float32(4.0))
+        np.float32(8.0)
+    """
+    if is_static(a) and is_static(b):
+        return np.float32(np.float32(a) * np.float32(b))
+    return lax.mul(as_float32(a), as_float32(b))
+
+
+def times_scalar(data: jax.Array, factor: Any) -> jax.Array:
+    """``data * factor`` in ``data``'s dtype, for a 0-d ``factor`` (static or traced).
+
+    Example:
+        >>> times_scalar(jnp.array([1.0, 2.0]), np.float32(0.5)).tolist()
+        [0.5, 1.0]
+    """
+    if is_static(factor):
+        return lax.mul(data, np.asarray(factor, data.dtype))
+    return lax.mul(data, lax.convert_element_type(factor, data.dtype))
+
+
 def rescale(data: jax.Array, ratio: jax.Array) -> jax.Array:
     """``data * ratio`` (ratio a float32 power of two), rounded once into ``data.dtype``."""
     wide = compute_dtype(data.dtype)
-    return (data.astype(wide) * ratio.astype(wide)).astype(data.dtype)
+    if jnp.ndim(ratio) != 0:  # per-row ratios (stacked scan outputs): broadcasting multiply
+        return (data.astype(wide) * ratio.astype(wide)).astype(data.dtype)
+    return lax.convert_element_type(
+        times_scalar(lax.convert_element_type(data, wide), ratio), data.dtype
+    )
 
 
 def safe_ratio(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
@@ -149,7 +180,7 @@ def ratio_to_pow2(scale: jax.Array, target: jax.Array) -> jax.Array:
     """
     if scale is target:
         return np.ones((), np.float32)
-    return scale * scale_reciprocal(target)
+    return scale_mul(scale, scale_reciprocal(target))
 
 
 def scale_reciprocal(scale: jax.Array) -> jax.Array:
@@ -192,8 +223,7 @@ def max_scale(scales: list[jax.Array]) -> jax.Array:
 def to_compute(x: Value) -> jax.Array:
     """The represented value ``data * scale`` in the compute dtype (float32 for narrow data)."""
     x = as_scaled(x)
-    wide = compute_dtype(x.dtype)
-    return x.data.astype(wide) * x.scale.astype(wide)
+    return times_scalar(lax.convert_element_type(x.data, compute_dtype(x.dtype)), x.scale)
 
 
 def from_compute(value: jax.Array, scale: jax.Array, dtype, *like: Value) -> ScaledArray:
@@ -232,12 +262,12 @@ def wide_data(x: Value, scale: jax.Array, *, pow2_target: bool = False) -> jax.A
     is then a fusable reciprocal multiplication instead of a division.
     """
     x = as_scaled(x)
-    wide = compute_dtype(x.dtype)
+    data = lax.convert_element_type(x.data, compute_dtype(x.dtype))
     own_scale = scale_f32(x)
     if own_scale is scale:
-        return x.data.astype(wide)
+        return data
     ratio = ratio_to_pow2 if pow2_target else safe_ratio
-    return x.data.astype(wide) * ratio(own_scale, scale).astype(wide)
+    return times_scalar(data, ratio(own_scale, scale))
 
 
 # ---------------------------------------------------------------------------------------
@@ -283,8 +313,11 @@ def guard_shift(wide: jax.Array, dtype) -> jax.Array | None:
         return None
     low, high, target = band
     biased = largest_biased_exponent(wide)
-    outside = (biased < low + EXPONENT_BIAS) | (biased >= high + EXPONENT_BIAS)
-    shift = lax.select(outside & (biased > 0), biased - (EXPONENT_BIAS + target), np.int32(0))
+    below = lax.bitwise_and(
+        lax.lt(biased, np.int32(low + EXPONENT_BIAS)), lax.gt(biased, np.int32(0))
+    )
+    outside = lax.bitwise_or(below, lax.ge(biased, np.int32(high + EXPONENT_BIAS)))
+    shift = lax.select(outside, lax.sub(biased, np.int32(EXPONENT_BIAS + target)), np.int32(0))
     return lax.clamp(np.int32(-126), shift, np.int32(126))
 
 
@@ -338,8 +371,8 @@ def shift_into_scale(
 ) -> tuple[jax.Array, jax.Array]:
     """``(wide * 2^-shift, scale * 2^shift)``: the same value, ``shift`` (an int32 in
     ``[-126, 126]``) moved from the data into the scale."""
-    down = pow2_from_exponent(-shift, clamp=False).astype(wide.dtype)
-    return wide * down, scale * pow2_from_exponent(shift, clamp=False)
+    down = pow2_from_exponent(lax.neg(shift), clamp=False)
+    return times_scalar(wide, down), scale_mul(scale, pow2_from_exponent(shift, clamp=False))
 
 
 def guarded(wide: jax.Array, scale: jax.Array, dtype, *like: Value) -> ScaledArray:
@@ -354,4 +387,4 @@ def guarded(wide: jax.Array, scale: jax.Array, dtype, *like: Value) -> ScaledArr
     shift = guard_shift(wide, dtype)
     if shift is not None:
         wide, scale = shift_into_scale(wide, scale, shift)
-    return ScaledArray(wide.astype(dtype), make_scale(scale, *like))
+    return ScaledArray(lax.convert_element_type(wide, dtype), make_scale(scale, *like))

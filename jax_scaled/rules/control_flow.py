@@ -54,8 +54,8 @@ from jax_scaled.interpreter import (
     interpret_jaxpr,
     register_higher_order_rule,
 )
-from jax_scaled.pow2 import MIN_SCALE_EXPONENT
-from jax_scaled.rules._common import is_static, rescale, safe_ratio
+from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_ratio
+from jax_scaled.rules._common import is_static, rescale
 
 Value = Any  # jax.Array | ScaledArray
 Signature = Any  # the scale dtype of a ScaledArray, or None for a plain value
@@ -288,7 +288,7 @@ def _unify_rows(rows: tuple[jax.Array, jax.Array]) -> Slot:
     data, scales = rows
     scales32 = scales.astype(jnp.float32)
     common = jnp.max(scales32, initial=0.0)
-    ratio = safe_ratio(scales32, common)  # powers of two: exact
+    ratio = pow2_ratio(scales32, common)  # exact, and no float division (a kernel on CPU)
     unified = ScaledArray._trusted(
         rescale(data, ratio.reshape(ratio.shape + (1,) * (data.ndim - 1))),
         common.astype(scales.dtype),

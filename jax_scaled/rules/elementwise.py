@@ -15,6 +15,7 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.pow2 import (
     EXPONENT_BIAS,
     MIN_SCALE_EXPONENT,
+    as_float32,
     floor_divide_exponent,
     pow2_exponent,
     pow2_from_exponent,
@@ -34,7 +35,9 @@ from jax_scaled.rules._common import (
     max_scale,
     rounded_l2_scale,
     scale_f32,
+    scale_mul,
     shift_into_scale,
+    times_scalar,
     to_compute,
     wide_data,
 )
@@ -61,17 +64,30 @@ def sub_rule(x, y, **params):
 @register_scale_rule(lax.mul_p)
 def mul_rule(x, y, **params):
     x, y = as_scaled(x), as_scaled(y)
-    return ScaledArray(
-        lax.mul_p.bind(x.data, y.data, **params), make_scale(scale_f32(x) * scale_f32(y), x, y)
-    )
+    scale = scale_mul(scale_f32(x), scale_f32(y))
+    return ScaledArray(lax.mul_p.bind(x.data, y.data, **params), make_scale(scale, x, y))
 
 
 @register_scale_rule(lax.div_p)
 def div_rule(x, y, **params):
     x, y = as_scaled(x), as_scaled(y)
-    return ScaledArray(
-        lax.div_p.bind(x.data, y.data, **params), make_scale(scale_f32(x) / scale_f32(y), x, y)
-    )
+    scale = _scale_div(scale_f32(x), scale_f32(y))
+    return ScaledArray(lax.div_p.bind(x.data, y.data, **params), make_scale(scale, x, y))
+
+
+def _scale_div(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """``numerator / denominator`` of scales, as a float division when traced.
+
+    Deliberately a float division, not :func:`~jax_scaled.pow2.pow2_ratio`: XLA will not copy
+    a division into the kernels that read it, and that keeps the chains of scale arithmetic
+    of a deep unrolled network from being copied into every later kernel (docs/benchmarks.md:
+    with an integer-only division the 3-layer unrolled transformer compiled to 189k HLO
+    instructions instead of 22k).
+    """
+    if is_static(numerator) and is_static(denominator):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.float32(np.float32(numerator) / np.float32(denominator))
+    return lax.div(as_float32(numerator), as_float32(denominator))
 
 
 @register_scale_rule(lax.neg_p)
@@ -238,14 +254,14 @@ def add_any_rule(x: Value, y: Value, **params) -> ScaledArray:
 
 
 def _wide(x: ScaledArray) -> jax.Array:
-    return x.data.astype(compute_dtype(x.dtype))
+    return lax.convert_element_type(x.data, compute_dtype(x.dtype))
 
 
 def _root_split(x: ScaledArray, n: int) -> tuple[jax.Array, jax.Array]:
     """``(d * 2^r, k)`` in the compute dtype with ``s = 2^(n*k + r)``, ``0 <= r < n``."""
     exponent = pow2_exponent(scale_f32(x))
     k = floor_divide_exponent(exponent, n)
-    return _wide(x) * pow2_from_exponent(exponent - n * k).astype(compute_dtype(x.dtype)), k
+    return times_scalar(_wide(x), pow2_from_exponent(lax.sub(exponent, lax.mul(k, np.int32(n))))), k
 
 
 @register_scale_rule(lax.integer_pow_p)

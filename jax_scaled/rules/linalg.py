@@ -24,6 +24,7 @@ from jax_scaled.rules._common import (
     guarded,
     make_scale,
     scale_f32,
+    scale_mul,
     sqrt_pow2,
 )
 
@@ -38,15 +39,15 @@ def _contract(
     """
     x, y = as_scaled(x), as_scaled(y)
     sqrt_k = sqrt_pow2(contraction_size)
-    scale = scale_f32(x) * scale_f32(y) * np.float32(sqrt_k)
+    scale = scale_mul(scale_mul(scale_f32(x), scale_f32(y)), np.float32(sqrt_k))
     if out_dtype is None:  # the primitive's own choice for these inputs
         out_dtype = jax.eval_shape(contract, x.data, y.data, None).dtype
     if guard_band(out_dtype) is None:
         out = contract(x.data, y.data, out_dtype)
-        data = (out / jnp.asarray(sqrt_k, out.dtype)) if sqrt_k != 1 else out
+        data = lax.div(out, np.asarray(sqrt_k, out.dtype)) if sqrt_k != 1 else out
         return ScaledArray(data, make_scale(scale, x, y))
     out = contract(x.data, y.data, jnp.float32)
-    return guarded(out / np.float32(sqrt_k), scale, out_dtype, x, y)
+    return guarded(lax.div(out, np.float32(sqrt_k)), scale, out_dtype, x, y)
 
 
 @register_scale_rule(lax.dot_general_p)

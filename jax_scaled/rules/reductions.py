@@ -35,6 +35,7 @@ from jax_scaled.rules._common import (
     make_scale,
     round_scale,
     scale_f32,
+    scale_mul,
     sqrt_pow2,
     to_compute,
 )
@@ -68,10 +69,14 @@ def reduce_sum_rule(x: ScaledArray, *, axes: tuple[int, ...], **params) -> Scale
     Accumulating narrow data in float32 is more accurate, and it makes the result
     independent of how XLA fuses the reduction (float16 accumulation order varies).
     """
-    wide = lax.reduce_sum_p.bind(x.data.astype(compute_dtype(x.dtype)), axes=axes, **params)
-    sqrt_n = sqrt_pow2(math.prod(x.shape[a] for a in axes))
-    data = wide / jnp.asarray(sqrt_n, wide.dtype) if sqrt_n != 1 else wide
-    return guarded(data, scale_f32(x) * np.float32(sqrt_n), x.dtype, x)
+    count = math.prod(x.shape[a] for a in axes)
+    if count == 1:  # one term (a size-1 axis, e.g. the gradient of a broadcast): exact as is
+        return _same_scale(x, lax.reduce_sum_p.bind(x.data, axes=axes, **params))
+    wide = lax.convert_element_type(x.data, compute_dtype(x.dtype))
+    wide = lax.reduce_sum_p.bind(wide, axes=axes, **params)
+    sqrt_n = sqrt_pow2(count)
+    data = lax.div(wide, np.asarray(sqrt_n, wide.dtype)) if sqrt_n != 1 else wide
+    return guarded(data, scale_mul(scale_f32(x), np.float32(sqrt_n)), x.dtype, x)
 
 
 @register_scale_rule(lax.reduce_max_p)
@@ -155,7 +160,13 @@ def cummin_rule(x: ScaledArray, **params) -> ScaledArray:
 
 @register_scale_rule(lax.cumlogsumexp_p)
 def cumlogsumexp_rule(x: ScaledArray, **params) -> ScaledArray:
-    """Scale ``max(s, 1)``: computed in float32 (or wider) from the represented value."""
+    """Scale ``max(s, 1)``: computed in float32 (or wider) from the represented value.
+
+    Along an axis of length 1 it is the identity: the input is returned as it is (at scale 1,
+    a tiny float16 value would become subnormal and lose its precision).
+    """
+    if x.shape[params["axis"]] == 1:
+        return _same_scale(x, x.data)
     out = lax.cumlogsumexp_p.bind(to_compute(x), **params)
     scale = round_scale(jnp.maximum(scale_f32(x), np.float32(1)))
     return from_compute(out, scale, x.dtype, x)
