@@ -131,6 +131,15 @@ def test_log_extreme_scales(dtype, exponent):
     check_scaled(jnp.log, [near_one], dtype, ulps=1)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_log_of_subnormal_data(dtype):
+    """Subnormal data (float32's, and bfloat16's, which stay subnormal in float32) is split
+    with integer operations: XLA:CPU flushes subnormal operands of float arithmetic."""
+    data = jnp.asarray([1e-40, 2.0**-133, 3 * 2.0**-140, -(2.0**-130), 0.5], dtype)
+    x = js.ScaledArray(data, jnp.float32(2.0**100))
+    check_scaled(jnp.log, [x], dtype, ulps=1)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @given(data=st.data())
 def test_atan2(dtype, data):

@@ -259,14 +259,59 @@ def log_rule(x: Value, **params) -> ScaledArray:
     """log: log(m) + n·ln2 with data = m·2^k, n = k + log2 s exact; scale max(1, |ln s|)."""
     x = as_scaled(x)
     wide = compute_dtype(x.dtype)
-    mantissa, k = jnp.frexp(x.data)  # |mantissa| in [1/2, 1): move it to [1/sqrt2, sqrt2)
-    low = jnp.abs(mantissa) < math.sqrt(0.5)
-    mantissa, k = jnp.where(low, 2 * mantissa, mantissa), jnp.where(low, k - 1, k)
+    # data = mantissa * 2^k with |mantissa| in [1/sqrt2, sqrt2)
+    if wide == jnp.float32:
+        mantissa, k = _split_near_one(lax.convert_element_type(x.data, wide))
+    else:
+        mantissa, k = _frexp_near_one(x.data)
     # |log(mantissa)| <= ln2/2 <= |n·ln2| unless n = 0: the sum never cancels.
-    n = (k + _scale_exponent(x)).astype(wide)
-    value = n * _LN2_HI + (n * _LN2_LO + lax.log_p.bind(mantissa.astype(wide), **params))
-    estimate = jnp.maximum(jnp.abs(_scale_exponent(x)).astype(jnp.float32) * math.log(2.0), 1)
+    n = lax.convert_element_type(lax.add(k, _scale_exponent(x)), wide)
+    log_mantissa = lax.log_p.bind(lax.convert_element_type(mantissa, wide), **params)
+    value = n * _LN2_HI + (n * _LN2_LO + log_mantissa)
+    log_scale = lax.convert_element_type(lax.abs(_scale_exponent(x)), jnp.float32)
+    estimate = lax.max(lax.mul(log_scale, np.float32(math.log(2.0))), np.float32(1))
     return _resplit(value, estimate, x.dtype, x)
+
+
+def _split_near_one(data: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(m, k)`` with ``data = m * 2^k`` and ``|m|`` in ``[1/sqrt2, sqrt2)`` for float32
+    ``data``, from its bits (exact, subnormals included). Zeros, infinities and NaNs come
+    back as they are with ``k = 0``, so that ``log`` gives -inf, inf or NaN for them.
+
+    Example:
+        >>> m, k = _split_near_one(jnp.array([3.0, 0.75, 0.0], jnp.float32))
+        >>> m.tolist(), k.tolist()
+        ([0.75, 0.75, 0.0], [2, 0, 0])
+    """
+    bits = lax.bitcast_convert_type(data, jnp.int32)
+    magnitude = lax.bitwise_and(bits, np.int32(0x7FFFFFFF))
+    # A subnormal is its mantissa bits times 2^-149: convert those to float (exactly, and with
+    # integer operations: XLA:CPU flushes subnormal operands of float arithmetic to zero).
+    subnormal = lax.lt(magnitude, np.int32(0x00800000))
+    as_normal = lax.bitcast_convert_type(
+        lax.convert_element_type(magnitude, jnp.float32), jnp.int32
+    )
+    sign = lax.bitwise_and(bits, np.int32(-0x80000000))
+    bits = lax.select(subnormal, lax.bitwise_or(as_normal, sign), bits)
+    fraction = lax.bitwise_and(bits, np.int32(-0x7F800001))  # sign and mantissa: 0x807FFFFF
+    high = lax.ge(lax.bitwise_and(fraction, np.int32(0x7FFFFF)), np.int32(0x3504F3))  # >= sqrt2
+    high = lax.convert_element_type(high, jnp.int32)  # 1: halve the mantissa, add 1 to k
+    exponent_bits = lax.sub(np.int32(127 << 23), lax.shift_left(high, np.int32(23)))
+    mantissa = lax.bitcast_convert_type(lax.bitwise_or(fraction, exponent_bits), jnp.float32)
+    biased = lax.shift_right_logical(lax.bitwise_and(bits, np.int32(0x7FFFFFFF)), np.int32(23))
+    k = lax.add(lax.sub(biased, np.int32(127)), high)
+    k = lax.sub(k, lax.mul(lax.convert_element_type(subnormal, jnp.int32), np.int32(149)))
+    special = lax.bitwise_or(
+        lax.eq(magnitude, np.int32(0)), lax.ge(magnitude, np.int32(0x7F800000))
+    )  # zero, inf, NaN: log of the data itself, no exponent
+    return lax.select(special, data, mantissa), lax.select(special, lax.full_like(k, 0), k)
+
+
+def _frexp_near_one(data: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``_split_near_one`` for float64 data, with ``jnp.frexp``."""
+    mantissa, k = jnp.frexp(data)  # |mantissa| in [1/2, 1): move it to [1/sqrt2, sqrt2)
+    low = jnp.abs(mantissa) < math.sqrt(0.5)
+    return jnp.where(low, 2 * mantissa, mantissa), jnp.where(low, k - 1, k)
 
 
 @register_scale_rule(lax.atan2_p)
