@@ -29,6 +29,7 @@ from jax_scaled.fusion import bundle_scales
 from jax_scaled.memo import memoized, scale_memo
 from jax_scaled.pow2 import (
     MIN_SCALE_EXPONENT,
+    as_float32,
     pow2_exponent,
     pow2_from_exponent,
     static_pow2_split,
@@ -460,15 +461,16 @@ def _promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) -
         return ScaledArray(jnp.asarray(value), reference())
     if slot.constant is not None:
         mantissa, scale = static_pow2_split(slot.constant)
-        data = jnp.full(np.shape(value), mantissa, value.dtype)  # literals may be TypedFloat
+        data = jax.lax.full(np.shape(value), np.asarray(mantissa, value.dtype), value.dtype)
         # A numpy (static) scale tells rules this operand is a trace-time constant.
         return ScaledArray(data, np.asarray(scale, np.float32).astype(scale_dtype))
     if slot.base is not None:
         mantissa, scale, any_scale = memoized("split", slot.base, lambda: _split_scalar(slot.base))
         # A traced zero (or inf, nan) is the same at any scale: take the other operand's.
-        scale = jax.lax.select(any_scale, reference().astype(np.float32), scale)
-        data = jax.lax.broadcast_in_dim(mantissa.astype(value.dtype), value.shape, ())
-        return ScaledArray(data, scale.astype(scale_dtype))
+        scale = jax.lax.select(any_scale, as_float32(reference()), scale)
+        mantissa = jax.lax.convert_element_type(mantissa, value.dtype)
+        data = jax.lax.broadcast_in_dim(mantissa, value.shape, ())
+        return ScaledArray(data, jax.lax.convert_element_type(scale, scale_dtype))
     scale = jnp.asarray(slot.estimate, jnp.float32)
     wide = jnp.promote_types(value.dtype, jnp.float32)
     data = (value.astype(wide) * (1 / scale).astype(wide)).astype(value.dtype)

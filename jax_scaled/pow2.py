@@ -41,11 +41,18 @@ def _bits(x: jnp.ndarray) -> jnp.ndarray:
     return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
 
 
-def as_float32(x) -> jax.Array:
-    """``x`` as a float32 jax array, with no conversion (or trace-time call) if it is one."""
-    if isinstance(x, jax.Array) and x.dtype == jnp.float32:
-        return x
-    return jnp.asarray(x, jnp.float32)
+def as_float32(x) -> jax.Array | np.ndarray:
+    """``x`` as float32: a jax array (or tracer) is converted only if it has another dtype;
+    a numpy or Python value becomes a numpy float32 array, which a ``lax`` operation stages
+    as a literal (``jnp.asarray`` would put it on the device first, at every call).
+
+    Example:
+        >>> as_float32(0.5).dtype, type(as_float32(np.float16(0.5))).__name__
+        (dtype('float32'), 'ndarray')
+    """
+    if isinstance(x, jax.Array):
+        return x if x.dtype == jnp.float32 else lax.convert_element_type(x, jnp.float32)
+    return np.asarray(x, np.float32)
 
 
 def biased_exponent(x: jnp.ndarray) -> jnp.ndarray:
@@ -156,6 +163,9 @@ def _select(condition: jnp.ndarray, on_true, on_false) -> jnp.ndarray:
     dtype, shape = jnp.result_type(on_true, on_false), jnp.shape(condition)
 
     def full(value):
+        if not isinstance(value, jax.Array):  # a trace-time constant: stays a literal
+            value = np.asarray(value, dtype)
+            return value if shape == () else lax.full(shape, value, dtype)
         value = lax.convert_element_type(value, dtype)
         return value if value.shape == shape else lax.broadcast_in_dim(value, shape, ())
 
