@@ -343,11 +343,11 @@ _NUMPY_EXACT = {
 
 
 def _fold_constant(eqn: jxi.JaxprEqn, scalars: list[np.ndarray]) -> float:
-    """The value of an elementwise equation on constant scalars, at trace time. Exact
+    """The value of an elementwise equation on constant scalars, at trace time. Exact float
     arithmetic folds in numpy; the rest runs through XLA (compiled once per primitive and
     dtype in a process: tens of milliseconds)."""
     exact = _NUMPY_EXACT.get(eqn.primitive.name)
-    if exact is not None:
+    if exact is not None and all(jnp.issubdtype(s.dtype, jnp.floating) for s in scalars):
         with np.errstate(all="ignore"):
             return float(np.asarray(exact(*scalars), scalars[0].dtype))
     with jax.ensure_compile_time_eval():
