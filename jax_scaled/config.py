@@ -32,6 +32,14 @@ class ScalifyConfig:
             two into the scale when it leaves the format's comfortable range (one max
             reduction, fused with the op). Healthy data gives the static result exactly.
             ``False`` keeps purely static scales.
+        guard_sums: also guard the outputs of ``add``, ``sub``, ``add_any``,
+            ``concatenate`` and ``stack`` in float16/float8 (default ``False``; only with
+            ``guard``). A sum takes the larger operand scale; when that operand's values
+            are far below its scale (the ``x * sigmoid'(x)`` term of an activation
+            gradient at inputs around 2^20 is exactly zero, at the input's scale), the
+            other operand's data underflows. With ``guard_sums`` the sum is formed in
+            float32 and re-centred. Each guarded sum costs a max reduction: more compile
+            time and memory traffic.
 
     Use it as a context manager around the call that traces (the first call of a jitted
     function), or pass it to ``scalify(fn, config=...)``:
@@ -45,6 +53,7 @@ class ScalifyConfig:
     rounding: Rounding | str = Rounding.DOWN
     scale_dtype: Any = None
     guard: bool = True
+    guard_sums: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "rounding", Rounding(self.rounding))

@@ -243,9 +243,11 @@ def _weighted_sum_grad(fn: Callable, avals: tuple, seed: int) -> Callable:
 
 
 @functools.cache
-def scalified_jit(fn: Callable) -> Callable:
-    """``jax.jit(js.scalify(fn))``, one per ``fn`` (compiled once per input signature)."""
-    return jax.jit(js.scalify(fn))
+def scalified_jit(fn: Callable, config: js.ScalifyConfig | None = None) -> Callable:
+    """``jax.jit(js.scalify(fn, config=config))``, one per ``fn`` and ``config`` (compiled
+    once per input signature: a ``with ScalifyConfig(...)`` block around a later call would
+    not change it, so pass the config here)."""
+    return jax.jit(js.scalify(fn, config=config))
 
 
 def check_model_invariance(fn: Callable, inputs: Sequence[Any], *, rtol: float = 1e-5) -> None:
@@ -259,10 +261,16 @@ def check_model_invariance(fn: Callable, inputs: Sequence[Any], *, rtol: float =
             assert error <= rtol, f"{'value' if f is fn else 'gradient'} error {error:.3g}"
 
 
-def check_fidelity(fn: Callable, inputs: Sequence[js.ScaledArray], *, tol: float) -> None:
+def check_fidelity(
+    fn: Callable,
+    inputs: Sequence[js.ScaledArray],
+    *,
+    tol: float,
+    config: js.ScalifyConfig | None = None,
+) -> None:
     """``jit(scalify(fn))`` on scaled (narrow) inputs is within ``tol`` (normwise) of ``fn`` in
     float64 on the represented values, and its outputs keep the inputs' data dtype."""
-    out = scalified_jit(fn)(*inputs)
+    out = scalified_jit(fn, config)(*inputs)
     expected = reference64(fn, *inputs)
     assert_pow2_scales(out)
     for got, want in zip(js.tree.tree_leaves(out), jax.tree.leaves(expected), strict=True):

@@ -1,11 +1,17 @@
-"""Scale rules for add, sub, mul, div, neg and dot_general against a float64 reference."""
+"""Scale rules for add, sub, mul, div, neg and dot_general against a float64 reference, and
+the range guard on sums (``ScalifyConfig(guard_sums=True)``)."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import FLOAT_DTYPES, check_e8m0_matches, check_scaled, scaled_arrays, shapes
 from hypothesis import given
 from hypothesis import strategies as st
 from jax import lax
+
+import jax_scaled as js
+from jax_scaled._jax_internals import lax_primitives
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -43,3 +49,43 @@ def test_arithmetic_e8m0_bit_identical(data):
     x = data.draw(scaled_arrays((3, 4), jnp.float16))
     y = data.draw(scaled_arrays((3, 4), jnp.float16))
     check_e8m0_matches(lambda a, b: lax.add(a, b) * b, [x, y])
+
+
+# --- ScalifyConfig(guard_sums=True) ---------------------------------------------------------
+
+GUARDED_SUMS = {
+    "add": lax.add,
+    "sub": lax.sub,
+    "add_any": lambda a, b: lax_primitives.add_jaxvals_p.bind(a, b),
+    "concatenate": lambda a, b: lax.concatenate([a, b], 0),
+    "stack": lambda a, b: jnp.stack([a, b]),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16])
+@pytest.mark.parametrize("name", sorted(GUARDED_SUMS))
+@given(data=st.data())
+def test_guarded_sums_match_float64(name, dtype, data):
+    """Sums formed in float32 and range-guarded: within format rounding at any scales."""
+    shape = data.draw(shapes())
+    x = data.draw(scaled_arrays(shape, dtype))
+    y = data.draw(scaled_arrays(shape, dtype))
+    with js.ScalifyConfig(guard_sums=True):
+        check_scaled(GUARDED_SUMS[name], [x, y], dtype, normwise=True)
+
+
+@pytest.mark.parametrize("name", sorted(GUARDED_SUMS))
+def test_guarded_sums_keep_a_term_whose_partner_is_zero_at_a_large_scale(name):
+    """An all-zero operand at scale 2^20 (the x * sigmoid'(x) term of an activation
+    gradient at inputs around 2^20) sets the common scale; the other operand's float16 data
+    then underflows. A guarded sum re-centres the float32 result and keeps it exact."""
+    values = jnp.asarray([0.7, -1.3, 0.01, 2.5], jnp.float16)
+    x = js.ScaledArray(values, jnp.float32(1.0))
+    zero = js.ScaledArray(jnp.zeros(4, jnp.float16), jnp.float32(2.0**20))
+    fn = GUARDED_SUMS[name]
+    expected = np.asarray(fn(values, jnp.zeros(4, jnp.float16)), np.float64)
+
+    default = js.asarray(jax.jit(js.scalify(fn))(x, zero), jnp.float32)
+    assert np.max(np.abs(np.asarray(default, np.float64) - expected)) > 1e-3  # underflowed
+    guarded = jax.jit(js.scalify(fn, config=js.ScalifyConfig(guard_sums=True)))(x, zero)
+    np.testing.assert_array_equal(np.asarray(js.asarray(guarded, jnp.float32)), expected)

@@ -298,6 +298,16 @@ def guard_band(dtype) -> tuple[int, int, int] | None:
     return low, high, target
 
 
+def sums_guarded(dtype) -> bool:
+    """True when sums into ``dtype`` data get the range guard (``ScalifyConfig.guard_sums``).
+
+    Example:
+        >>> sums_guarded(jnp.float16), sums_guarded(jnp.float32)
+        (False, False)
+    """
+    return current_config().guard_sums and guard_band(dtype) is not None
+
+
 def guard_shift(wide: jax.Array, dtype) -> jax.Array | None:
     """The exponent (int32) to move from ``wide`` data into its scale before casting it to the
     narrow ``dtype``, or None where no guard applies: 0 for data in the guard band, all

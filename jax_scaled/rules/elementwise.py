@@ -37,6 +37,7 @@ from jax_scaled.rules._common import (
     scale_f32,
     scale_mul,
     shift_into_scale,
+    sums_guarded,
     times_scalar,
     to_compute,
     wide_data,
@@ -46,9 +47,10 @@ from jax_scaled.rules._common import (
 def _add_or_sub(x, y, op) -> ScaledArray:
     """Unit-scaling estimate for a sum of independent terms: sqrt(sx^2 + sy^2)."""
     scale = rounded_l2_scale(scale_f32(x), scale_f32(y))
-    data = op(wide_data(x, scale, pow2_target=True), wide_data(y, scale, pow2_target=True))
-    data = data.astype(x.dtype)
-    return ScaledArray(data, make_scale(scale, x, y))
+    wide = op(wide_data(x, scale, pow2_target=True), wide_data(y, scale, pow2_target=True))
+    if sums_guarded(x.dtype):  # ScalifyConfig.guard_sums
+        return guarded(wide, scale, x.dtype, x, y)
+    return ScaledArray(wide.astype(x.dtype), make_scale(scale, x, y))
 
 
 @register_scale_rule(lax.add_p)

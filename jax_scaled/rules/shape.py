@@ -15,7 +15,18 @@ from jax import lax
 from jax_scaled._jax_internals import Primitive, optimization_barrier_p, split_p
 from jax_scaled.array import ScaledArray
 from jax_scaled.registry import register_scale_rule
-from jax_scaled.rules._common import Value, align, as_scaled, make_scale, scale_f32
+from jax_scaled.rules._common import (
+    Value,
+    align,
+    as_scaled,
+    guarded,
+    is_static,
+    make_scale,
+    max_scale,
+    scale_f32,
+    sums_guarded,
+    wide_data,
+)
 from jax_scaled.rules.elementwise import align_selection
 
 
@@ -42,18 +53,33 @@ for _primitive in (
     _register_data_movement(_primitive)
 
 
+def _joined(primitive: Primitive, xs: tuple[Value, ...], params: dict) -> ScaledArray:
+    """``primitive`` (concatenate, stack) on the operands aligned to the largest scale
+    (constants: ``align_selection``).
+
+    With ``ScalifyConfig(guard_sums=True)`` and float16/float8 data, the operands are joined
+    in float32 and the result is range-guarded (:func:`~jax_scaled.rules._common.guarded`):
+    an operand far below the largest scale keeps its precision.
+    """
+    dtype = xs[0].dtype
+    if sums_guarded(dtype) and not any(is_static(as_scaled(x).scale) for x in xs):
+        scale = max_scale([scale_f32(x) for x in xs])
+        wide = [wide_data(x, scale, pow2_target=True) for x in xs]
+        return guarded(primitive.bind(*wide, **params), scale, dtype, *xs)
+    datas, scale = align_selection(*xs)
+    return ScaledArray(primitive.bind(*datas, **params), make_scale(scale, *xs))
+
+
 @register_scale_rule(lax.concatenate_p)
 def concatenate_rule(*xs: Value, **params) -> ScaledArray:
-    """Concatenate the operands aligned to the largest scale (constants: ``align_selection``)."""
-    datas, scale = align_selection(*xs)
-    return ScaledArray(lax.concatenate_p.bind(*datas, **params), make_scale(scale, *xs))
+    """Concatenate the operands aligned to the largest scale (see :func:`_joined`)."""
+    return _joined(lax.concatenate_p, xs, params)
 
 
 @register_scale_rule(lax.stack_p)
 def stack_rule(*xs: Value, **params) -> ScaledArray:
-    """Stack the operands aligned like concatenate's."""
-    datas, scale = align_selection(*xs)
-    return ScaledArray(lax.stack_p.bind(*datas, **params), make_scale(scale, *xs))
+    """Stack the operands aligned like concatenate's (see :func:`_joined`)."""
+    return _joined(lax.stack_p, xs, params)
 
 
 @register_scale_rule(lax.unstack_p)
