@@ -27,19 +27,18 @@ class ScalifyConfig:
             independent terms; correlated ones (a bias gradient summed over a batch,
             attention logits of a trained model) make the data drift from unit scale, and
             float16 or float8 data then overflows or underflows. With ``guard``, the rules
-            whose estimate can drift (matmuls, convolutions, sums, powers, narrowing casts)
-            check the largest output datum of a float16/float8 result, and move a power of
-            two into the scale when it leaves the format's comfortable range (one max
-            reduction, fused with the op). Healthy data gives the static result exactly.
-            ``False`` keeps purely static scales.
-        guard_sums: also guard the outputs of ``add``, ``sub``, ``add_any``,
-            ``concatenate`` and ``stack`` in float16/float8 (default ``False``; only with
-            ``guard``). A sum takes the larger operand scale; when that operand's values
-            are far below its scale (the ``x * sigmoid'(x)`` term of an activation
-            gradient at inputs around 2^20 is exactly zero, at the input's scale), the
-            other operand's data underflows. With ``guard_sums`` the sum is formed in
-            float32 and re-centred. Each guarded sum costs a max reduction: more compile
-            time and memory traffic.
+            whose estimate can drift (matmuls, convolutions, sums, powers, narrowing casts,
+            and the joins of independently scaled values: gradient accumulation
+            ``add_any``, ``concatenate``, ``stack``) check the largest output datum of a
+            float16/float8 result, and move a power of two into the scale when it leaves
+            the format's comfortable range (one max reduction, fused with the op). Healthy
+            data gives the static result exactly. ``False`` keeps purely static scales.
+        guard_sums: also guard the outputs of ``add`` and ``sub`` in float16/float8
+            (default ``False``; only with ``guard``). A sum takes the larger operand
+            scale; when that operand's values are far below its scale, the other operand's
+            data underflows. With ``guard_sums`` the sum is formed in float32 and
+            re-centred, as ``add_any`` always is under ``guard``. Each guarded sum costs a
+            max reduction: more compile time and memory traffic.
 
     Use it as a context manager around the call that traces (the first call of a jitted
     function), or pass it to ``scalify(fn, config=...)``:

@@ -74,18 +74,33 @@ def test_guarded_sums_match_float64(name, dtype, data):
         check_scaled(GUARDED_SUMS[name], [x, y], dtype, normwise=True)
 
 
-@pytest.mark.parametrize("name", sorted(GUARDED_SUMS))
-def test_guarded_sums_keep_a_term_whose_partner_is_zero_at_a_large_scale(name):
-    """An all-zero operand at scale 2^20 (the x * sigmoid'(x) term of an activation
-    gradient at inputs around 2^20) sets the common scale; the other operand's float16 data
-    then underflows. A guarded sum re-centres the float32 result and keeps it exact."""
+def _with_zero_at_a_large_scale(name: str, config: js.ScalifyConfig) -> tuple:
+    """``GUARDED_SUMS[name]`` of float16 values at scale 1 and zeros at scale 2^20 (the
+    ``x * sigmoid'(x)`` term of an activation gradient at inputs around 2^20): the result
+    and the exact values."""
     values = jnp.asarray([0.7, -1.3, 0.01, 2.5], jnp.float16)
     x = js.ScaledArray(values, jnp.float32(1.0))
     zero = js.ScaledArray(jnp.zeros(4, jnp.float16), jnp.float32(2.0**20))
     fn = GUARDED_SUMS[name]
+    out = jax.jit(js.scalify(fn, config=config))(x, zero)
     expected = np.asarray(fn(values, jnp.zeros(4, jnp.float16)), np.float64)
+    return np.asarray(js.asarray(out, jnp.float32), np.float64), expected
 
-    default = js.asarray(jax.jit(js.scalify(fn))(x, zero), jnp.float32)
-    assert np.max(np.abs(np.asarray(default, np.float64) - expected)) > 1e-3  # underflowed
-    guarded = jax.jit(js.scalify(fn, config=js.ScalifyConfig(guard_sums=True)))(x, zero)
-    np.testing.assert_array_equal(np.asarray(js.asarray(guarded, jnp.float32)), expected)
+
+@pytest.mark.parametrize("name", ["add", "sub"])
+def test_add_and_sub_keep_a_term_whose_partner_is_zero_at_a_large_scale_with_guard_sums(name):
+    """The zeros' scale 2^20 is the common scale: the other operand's float16 data
+    underflows by default; ``guard_sums`` re-centres the float32 sum and keeps it exact."""
+    default, expected = _with_zero_at_a_large_scale(name, js.ScalifyConfig())
+    assert np.max(np.abs(default - expected)) > 1e-3  # underflowed
+    guarded, expected = _with_zero_at_a_large_scale(name, js.ScalifyConfig(guard_sums=True))
+    np.testing.assert_array_equal(guarded, expected)
+
+
+@pytest.mark.parametrize("name", ["add_any", "concatenate", "stack"])
+def test_accumulations_and_joins_keep_a_term_whose_partner_is_zero_at_a_large_scale(name):
+    """Gradient accumulation and joins are range-guarded whenever ``guard`` is on."""
+    out, expected = _with_zero_at_a_large_scale(name, js.ScalifyConfig())
+    np.testing.assert_array_equal(out, expected)
+    unguarded, expected = _with_zero_at_a_large_scale(name, js.ScalifyConfig(guard=False))
+    assert np.max(np.abs(unguarded - expected)) > 1e-3  # underflowed

@@ -299,7 +299,9 @@ def guard_band(dtype) -> tuple[int, int, int] | None:
 
 
 def sums_guarded(dtype) -> bool:
-    """True when sums into ``dtype`` data get the range guard (``ScalifyConfig.guard_sums``).
+    """True when ``add`` and ``sub`` into ``dtype`` data get the range guard
+    (``ScalifyConfig.guard_sums``; ``add_any`` and joins have it whenever
+    :func:`guard_band` applies).
 
     Example:
         >>> sums_guarded(jnp.float16), sums_guarded(jnp.float32)

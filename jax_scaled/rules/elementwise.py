@@ -44,23 +44,27 @@ from jax_scaled.rules._common import (
 )
 
 
-def _add_or_sub(x, y, op) -> ScaledArray:
-    """Unit-scaling estimate for a sum of independent terms: sqrt(sx^2 + sy^2)."""
+def _add_or_sub(x, y, op, guard: bool) -> ScaledArray:
+    """Unit-scaling estimate for a sum of independent terms: sqrt(sx^2 + sy^2).
+
+    With ``guard``, the sum is formed in float32 and range-guarded
+    (:func:`~jax_scaled.rules._common.guarded`).
+    """
     scale = rounded_l2_scale(scale_f32(x), scale_f32(y))
     wide = op(wide_data(x, scale, pow2_target=True), wide_data(y, scale, pow2_target=True))
-    if sums_guarded(x.dtype):  # ScalifyConfig.guard_sums
+    if guard:
         return guarded(wide, scale, x.dtype, x, y)
     return ScaledArray(wide.astype(x.dtype), make_scale(scale, x, y))
 
 
 @register_scale_rule(lax.add_p)
 def add_rule(x, y, **params):
-    return _add_or_sub(x, y, lax.add)
+    return _add_or_sub(x, y, lax.add, sums_guarded(x.dtype))
 
 
 @register_scale_rule(lax.sub_p)
 def sub_rule(x, y, **params):
-    return _add_or_sub(x, y, lax.sub)
+    return _add_or_sub(x, y, lax.sub, sums_guarded(x.dtype))
 
 
 @register_scale_rule(lax.mul_p)
@@ -246,8 +250,14 @@ def nextafter_rule(x: Value, y: Value, **params) -> ScaledArray:
 
 @register_scale_rule(lax_primitives.add_jaxvals_p)
 def add_any_rule(x: Value, y: Value, **params) -> ScaledArray:
-    """Like add: sqrt(sx^2 + sy^2), pow2-rounded (gradient accumulation)."""
-    return _add_or_sub(x, y, lax.add)
+    """Like add: sqrt(sx^2 + sy^2), pow2-rounded; range-guarded in float16/float8.
+
+    Gradient accumulation adds cotangents from different paths, whose scales can be far
+    apart: ``silu``'s gradient at inputs around 2^20 adds ``sigmoid(x)`` (scale 1) to
+    ``x * sigmoid'(x)``, exactly zero but at scale 2^20, and without the guard the first
+    term would underflow in float16.
+    """
+    return _add_or_sub(x, y, lax.add, guard_band(x.dtype) is not None)
 
 
 # ---------------------------------------------------------------------------------------

@@ -19,12 +19,12 @@ from jax_scaled.rules._common import (
     Value,
     align,
     as_scaled,
+    guard_band,
     guarded,
     is_static,
     make_scale,
     max_scale,
     scale_f32,
-    sums_guarded,
     wide_data,
 )
 from jax_scaled.rules.elementwise import align_selection
@@ -57,12 +57,13 @@ def _joined(primitive: Primitive, xs: tuple[Value, ...], params: dict) -> Scaled
     """``primitive`` (concatenate, stack) on the operands aligned to the largest scale
     (constants: ``align_selection``).
 
-    With ``ScalifyConfig(guard_sums=True)`` and float16/float8 data, the operands are joined
-    in float32 and the result is range-guarded (:func:`~jax_scaled.rules._common.guarded`):
-    an operand far below the largest scale keeps its precision.
+    With float16/float8 data and the range guard on, the operands are joined in float32
+    and the result is range-guarded (:func:`~jax_scaled.rules._common.guarded`): an
+    operand far below the largest scale keeps its precision (``glu``'s gradient at inputs
+    around 2^20 joins one at scale 1 with one that is zero at scale 2^20).
     """
     dtype = xs[0].dtype
-    if sums_guarded(dtype) and not any(is_static(as_scaled(x).scale) for x in xs):
+    if guard_band(dtype) is not None and not any(is_static(as_scaled(x).scale) for x in xs):
         scale = max_scale([scale_f32(x) for x in xs])
         wide = [wide_data(x, scale, pow2_target=True) for x in xs]
         return guarded(primitive.bind(*wide, **params), scale, dtype, *xs)
