@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any
 
 import jax.numpy as jnp
 
+from jax_scaled._threadlocal import ThreadStack
 from jax_scaled.pow2 import Rounding
 
 _SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e8m0fnu))
@@ -63,22 +63,16 @@ class ScalifyConfig:
             object.__setattr__(self, "scale_dtype", dtype)
 
     def __enter__(self) -> ScalifyConfig:
-        _stack().append(self)
+        _configs.items.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _stack().pop()
+        _configs.items.pop()
 
 
-_local = threading.local()
-
-
-def _stack() -> list[ScalifyConfig]:
-    if not hasattr(_local, "stack"):
-        _local.stack = [ScalifyConfig()]
-    return _local.stack
+_configs = ThreadStack(lambda: [ScalifyConfig()])
 
 
 def current_config() -> ScalifyConfig:
     """The innermost active ScalifyConfig (the default one outside any ``with`` block)."""
-    return _stack()[-1]
+    return _configs.items[-1]

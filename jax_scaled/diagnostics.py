@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_scaled._threadlocal import ThreadStack
 from jax_scaled.array import ScaledArray
 
 
@@ -88,13 +88,7 @@ class _Recorder:
         return self.count - 1
 
 
-_local = threading.local()
-
-
-def _recorders() -> list[_Recorder]:
-    if not hasattr(_local, "recorders"):
-        _local.recorders = []
-    return _local.recorders
+_recorders = ThreadStack()  # of _Recorder
 
 
 @contextlib.contextmanager
@@ -117,18 +111,18 @@ def record_scales() -> Iterator[list[ScaleRecord]]:
         ('mul', 1.0, 2.0)
     """
     recorder = _Recorder()
-    _recorders().append(recorder)
+    _recorders.items.append(recorder)
     try:
         yield recorder.records
         jax.effects_barrier()
     finally:
-        _recorders().remove(recorder)
+        _recorders.items.remove(recorder)
     recorder.records.sort(key=lambda r: r.index)
 
 
 def is_recording() -> bool:
     """True inside :func:`record_scales` (the interpreter then calls :func:`observe`)."""
-    return bool(_recorders())
+    return bool(_recorders.items)
 
 
 def observe(primitive: str, source: str, where: str, outputs: Sequence[Any]) -> None:
@@ -136,7 +130,7 @@ def observe(primitive: str, source: str, where: str, outputs: Sequence[Any]) -> 
 
     Called by the interpreter for each rule it applies while :func:`is_recording`.
     """
-    recorder = _recorders()[-1]
+    recorder = _recorders.items[-1]
     for out in outputs:
         if not isinstance(out, ScaledArray) or not jnp.issubdtype(out.dtype, jnp.floating):
             continue

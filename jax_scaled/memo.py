@@ -15,21 +15,15 @@ another.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from jax_scaled import _jax_internals as jxi
+from jax_scaled._threadlocal import ThreadStack
 
 T = TypeVar("T")
 
-_local = threading.local()
-
-
-def _stack() -> list[dict]:
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    return _local.stack
+_memos = ThreadStack()
 
 
 @contextlib.contextmanager
@@ -41,11 +35,11 @@ def scale_memo() -> Iterator[None]:
         ...     memo_size()
         0
     """
-    _stack().append({})
+    _memos.items.append({})
     try:
         yield
     finally:
-        _stack().pop()
+        _memos.items.pop()
 
 
 def memoized(kind: str, key: Any, compute: Callable[[], T]) -> T:
@@ -63,7 +57,7 @@ def memoized(kind: str, key: Any, compute: Callable[[], T]) -> T:
         >>> float(jax.jit(f)(jnp.float32(1.0))), reused
         (2.0, [True])
     """
-    stack = _stack()
+    stack = _memos.items
     if not stack or not isinstance(key, jxi.Tracer):
         return compute()
     trace = jxi.current_trace()
@@ -78,5 +72,5 @@ def memoized(kind: str, key: Any, compute: Callable[[], T]) -> T:
 
 def memo_size() -> int:
     """Entries in the innermost :func:`scale_memo` block (0 outside any)."""
-    stack = _stack()
+    stack = _memos.items
     return len(stack[-1]) if stack else 0

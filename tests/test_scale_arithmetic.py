@@ -2,6 +2,8 @@
 kept static, and traced scalars split once. Values must be exactly those of the plain
 formulation; the program must get shorter."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from jax import lax
 
 import jax_scaled as js
 from jax_scaled import interpreter
+from jax_scaled.config import current_config
 from jax_scaled.memo import memo_size, memoized, scale_memo
 from jax_scaled.pow2 import (
     floor_divide_exponent,
@@ -321,3 +324,19 @@ def test_scalify_folds_constant_arithmetic_without_compiling():
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
     np.testing.assert_allclose(js.asarray(js.scalify(f)(x)), f(js.asarray(x)), rtol=1e-7)
+
+
+def test_configs_and_memos_are_per_thread():
+    """Each thread starts from the default config and no memo (``_threadlocal.ThreadStack``)."""
+    seen = []
+
+    def other_thread():
+        seen.append((current_config().rounding, memo_size()))
+
+    with js.ScalifyConfig(rounding="up"), scale_memo():
+        memoized("double", jnp.float32(1.0), lambda: 2.0)
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        seen.append((current_config().rounding, None))
+    assert seen == [("down", 0), ("up", None)]
