@@ -119,3 +119,37 @@ def test_nan_gives_no_shift_or_is_ignored(size):
     x = np.full((size,), 2.0**30, np.float32)
     x[size // 2] = np.nan
     assert int(largest_biased_exponent(jnp.asarray(x))) in (0, 30 + 127)
+
+
+def reference_guard(wide: np.ndarray, dtype, divisor_exponent: int) -> tuple[float, float]:
+    """``(down, up)`` of the range guard, from its definition (float64, no bit tricks)."""
+    from jax_scaled.rules._common import guard_band
+
+    low, high, target = guard_band(dtype)
+    neutral = (2.0**-divisor_exponent, 1.0)
+    largest = float(np.max(np.abs(wide.astype(np.float64))))
+    if not np.isfinite(largest) or largest < 2.0**-126:  # overflowed, zero or subnormal
+        return neutral
+    exponent = int(np.floor(np.log2(largest))) - divisor_exponent
+    if low <= exponent < high:
+        return neutral
+    shift = max(exponent - target, -126)
+    return 2.0 ** (-shift - divisor_exponent), 2.0**shift
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+@given(data=st.data())
+def test_guard_factors_match_their_definition(dtype, data):
+    """The guard's bit arithmetic (unsigned range tests, clamped exponent fields) against
+    the plain definition, for data anywhere in float32's range, zeros, subnormals and
+    infinities, with a folded power-of-two divisor."""
+    from jax_scaled.rules._common import guard_factors
+
+    magnitude = data.draw(st.integers(-149, 127))
+    values = st.floats(-(2.0**magnitude), 2.0**magnitude, width=32, allow_nan=False)
+    wide = data.draw(hnp.arrays(np.float32, data.draw(st.integers(1, 40)), elements=values))
+    if data.draw(st.booleans()):
+        wide[0] = data.draw(st.sampled_from([0.0, np.inf, -np.inf, 2.0**-140, 2.0**127]))
+    divisor_exponent = data.draw(st.integers(0, 12))
+    down, up = jax.jit(guard_factors, static_argnums=(1, 2))(wide, dtype, divisor_exponent)
+    assert (float(down), float(up)) == reference_guard(wide, dtype, divisor_exponent)

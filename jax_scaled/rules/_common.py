@@ -310,27 +310,55 @@ def sums_guarded(dtype) -> bool:
     return current_config().guard_sums and guard_band(dtype) is not None
 
 
-def guard_shift(wide: jax.Array, dtype) -> jax.Array | None:
-    """The exponent (int32) to move from ``wide`` data into its scale before casting it to the
-    narrow ``dtype``, or None where no guard applies: 0 for data in the guard band, all
-    zero, or holding an infinity (see :func:`largest_biased_exponent`). Clamped to
-    ``[-126, 126]`` so that both ``2^shift`` and ``2^-shift`` are exact.
+def guard_factors(
+    wide: jax.Array, dtype, divisor_exponent: int = 0
+) -> tuple[jax.Array, jax.Array] | None:
+    """``(down, up)``, two float32 powers of two with ``down * up == 2^-divisor_exponent``,
+    that range-guard ``wide / 2^divisor_exponent`` for a cast to the narrow ``dtype``
+    (:func:`guard_band`): the data becomes ``wide * down`` and its scale ``scale * up``.
+    None where no guard applies.
+
+    When the largest datum ``2^e`` of ``wide / 2^divisor_exponent`` leaves the band, ``e``
+    is moved to the band's target; otherwise, and for data that is all zero or holds an
+    infinity, ``up`` is 1 (the static scale is kept). Worked out on the bits of the largest
+    magnitude, without branches or float division: XLA copies this scalar code into every
+    kernel that reads the guarded data, so every instruction counts
+    (``benchmarks/compile_breakdown.py``). The shift is clamped at ``2^-126`` so that both
+    factors stay normal floats.
 
     Example:
-        >>> int(guard_shift(jnp.array([2.0**17, 2.0]), jnp.float16))
-        14
+        >>> down, up = guard_factors(jnp.array([2.0**17, 2.0]), jnp.float16)
+        >>> float(down), float(up)
+        (6.103515625e-05, 16384.0)
     """
     band = guard_band(dtype)
     if band is None or wide.size == 0:
         return None
-    low, high, target = band
-    biased = largest_biased_exponent(wide)
-    below = lax.bitwise_and(
-        lax.lt(biased, np.int32(low + EXPONENT_BIAS)), lax.gt(biased, np.int32(0))
+    low, high, target = (e + divisor_exponent for e in band)
+    exponent_bits = lax.bitwise_and(
+        lax.bitcast_convert_type(largest_magnitude(wide), jnp.uint32), _EXPONENT_FIELD
     )
-    outside = lax.bitwise_or(below, lax.ge(biased, np.int32(high + EXPONENT_BIAS)))
-    shift = lax.select(outside, lax.sub(biased, np.int32(EXPONENT_BIAS + target)), np.int32(0))
-    return lax.clamp(np.int32(-126), shift, np.int32(126))
+    # Below the band but not zero, or above it but finite: two unsigned range tests, where
+    # a field under the range's start wraps around to a huge value.
+    outside = lax.bitwise_or(
+        lax.lt(lax.sub(exponent_bits, np.uint32(1)), np.uint32(_field(low) - 1)),
+        lax.lt(lax.sub(exponent_bits, _field(high)), np.uint32(_EXPONENT_FIELD - _field(high))),
+    )
+    # The exponent field to centre on (target: no change), as a shift from it, clamped.
+    centre = lax.select(outside, lax.max(exponent_bits, _field(target - 126)), _field(target))
+    up = lax.sub(centre, _field(target - EXPONENT_BIAS))
+    down = lax.sub(_field(target + EXPONENT_BIAS - divisor_exponent), centre)
+    return lax.bitcast_convert_type(down, jnp.float32), lax.bitcast_convert_type(up, jnp.float32)
+
+
+_EXPONENT_FIELD = np.uint32(0x7F800000)  # float32's exponent bits: the field of inf
+
+
+def _field(exponent: int) -> np.ndarray:
+    """The float32 bit pattern of ``2^exponent`` (its exponent field) as a uint32 literal;
+    up to ``2^128`` (the pattern of inf, one past), which the factors' arithmetic may pass
+    through."""
+    return np.uint32((exponent + EXPONENT_BIAS) << 23)
 
 
 def largest_biased_exponent(wide: jax.Array) -> jax.Array:
@@ -387,16 +415,43 @@ def shift_into_scale(
     return times_scalar(wide, down), scale_mul(scale, pow2_from_exponent(shift, clamp=False))
 
 
-def guarded(wide: jax.Array, scale: jax.Array, dtype, *like: Value) -> ScaledArray:
-    """A ScaledArray of ``wide * scale`` (``wide`` in the compute dtype, ``scale`` a float32
-    power of two) with data cast to ``dtype``, range-guarded (:func:`guard_band`).
+def guarded(
+    wide: jax.Array, scale: jax.Array, dtype, *like: Value, divisor: float = 1.0
+) -> ScaledArray:
+    """A ScaledArray of ``wide / divisor * scale`` (``wide`` in the compute dtype, ``scale`` a
+    float32 power of two, ``divisor`` a static power of two) with data cast to ``dtype``,
+    range-guarded (:func:`guard_band`).
+
+    The guard reads ``wide`` itself and folds ``divisor`` into its factor: data and
+    division are one multiplication, and the largest magnitude is taken before it.
 
     Example:
         >>> x = guarded(jnp.array([2.0**17, 2.0]), jnp.float32(1.0), jnp.float16)
         >>> x.data.tolist(), float(x.scale)
         ([8.0, 0.0001220703125], 16384.0)
+        >>> y = guarded(jnp.array([8.0, 2.0]), jnp.float32(1.0), jnp.float16, divisor=4.0)
+        >>> y.data.tolist(), float(y.scale)
+        ([2.0, 0.5], 1.0)
     """
-    shift = guard_shift(wide, dtype)
-    if shift is not None:
-        wide, scale = shift_into_scale(wide, scale, shift)
-    return ScaledArray(lax.convert_element_type(wide, dtype), make_scale(scale, *like))
+    divisor_exponent = static_pow2_exponent(divisor)
+    factors = guard_factors(wide, dtype, divisor_exponent)
+    if factors is None:
+        if divisor_exponent:
+            wide = times_scalar(wide, np.float32(2.0**-divisor_exponent))
+        return ScaledArray(lax.convert_element_type(wide, dtype), make_scale(scale, *like))
+    down, up = factors
+    data = lax.convert_element_type(times_scalar(wide, down), dtype)
+    return ScaledArray(data, make_scale(scale_mul(scale, up), *like))
+
+
+def static_pow2_exponent(value: float) -> int:
+    """The integer ``e`` with ``value == 2^e``, for a static power of two.
+
+    Example:
+        >>> static_pow2_exponent(0.25), static_pow2_exponent(32.0)
+        (-2, 5)
+    """
+    mantissa, exponent = math.frexp(value)
+    if mantissa != 0.5:
+        raise ValueError(f"{value} is not a power of two")
+    return exponent - 1

@@ -47,7 +47,7 @@ def _contract(
         data = lax.div(out, np.asarray(sqrt_k, out.dtype)) if sqrt_k != 1 else out
         return ScaledArray(data, make_scale(scale, x, y))
     out = contract(x.data, y.data, jnp.float32)
-    return guarded(lax.div(out, np.float32(sqrt_k)), scale, out_dtype, x, y)
+    return guarded(out, scale, out_dtype, x, y, divisor=sqrt_k)
 
 
 @register_scale_rule(lax.dot_general_p)

@@ -75,8 +75,7 @@ def reduce_sum_rule(x: ScaledArray, *, axes: tuple[int, ...], **params) -> Scale
     wide = lax.convert_element_type(x.data, compute_dtype(x.dtype))
     wide = lax.reduce_sum_p.bind(wide, axes=axes, **params)
     sqrt_n = sqrt_pow2(count)
-    data = lax.div(wide, np.asarray(sqrt_n, wide.dtype)) if sqrt_n != 1 else wide
-    return guarded(data, scale_mul(scale_f32(x), np.float32(sqrt_n)), x.dtype, x)
+    return guarded(wide, scale_mul(scale_f32(x), np.float32(sqrt_n)), x.dtype, x, divisor=sqrt_n)
 
 
 @register_scale_rule(lax.reduce_max_p)
