@@ -344,7 +344,8 @@ def guard_factors(
         lax.lt(lax.sub(exponent_bits, np.uint32(1)), np.uint32(_field(low) - 1)),
         lax.lt(lax.sub(exponent_bits, _field(high)), np.uint32(_EXPONENT_FIELD - _field(high))),
     )
-    # The exponent field to centre on (target: no change), as a shift from it, clamped.
+    # The exponent field moved to the target: the largest datum's (no lower than 2^-126
+    # times the target), or the target's own when nothing moves.
     centre = lax.select(outside, lax.max(exponent_bits, _field(target - 126)), _field(target))
     up = lax.sub(centre, _field(target - EXPONENT_BIAS))
     down = lax.sub(_field(target + EXPONENT_BIAS - divisor_exponent), centre)
@@ -355,9 +356,9 @@ _EXPONENT_FIELD = np.uint32(0x7F800000)  # float32's exponent bits: the field of
 
 
 def _field(exponent: int) -> np.ndarray:
-    """The float32 bit pattern of ``2^exponent`` (its exponent field) as a uint32 literal;
-    up to ``2^128`` (the pattern of inf, one past), which the factors' arithmetic may pass
-    through."""
+    """The float32 bit pattern of ``2^exponent`` (its exponent field) as a uint32 literal.
+    An exponent past float32's range gives a pattern past inf's (into the sign bit, still a
+    uint32); :func:`guard_factors` only subtracts from such a constant, back into range."""
     return np.uint32((exponent + EXPONENT_BIAS) << 23)
 
 
