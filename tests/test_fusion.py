@@ -1,5 +1,6 @@
-"""Program shapes chosen for XLA's kernel count: bundled output scales and the guard's
-largest-magnitude reduction. Values must be exactly those of the plain formulation."""
+"""Program shapes chosen for XLA's kernel count: bundled output scales, the guard's
+largest-magnitude reduction and its bit-level factors. Values must be exactly those of the
+plain formulation."""
 
 import functools
 
@@ -14,7 +15,12 @@ from jax import lax
 
 import jax_scaled as js
 from jax_scaled.fusion import bundle_scales
-from jax_scaled.rules._common import largest_biased_exponent, largest_magnitude
+from jax_scaled.rules._common import (
+    guard_band,
+    guard_factors,
+    largest_biased_exponent,
+    largest_magnitude,
+)
 
 
 def sgd_step(params, x):
@@ -123,8 +129,6 @@ def test_nan_gives_no_shift_or_is_ignored(size):
 
 def reference_guard(wide: np.ndarray, dtype, divisor_exponent: int) -> tuple[float, float]:
     """``(down, up)`` of the range guard, from its definition (float64, no bit tricks)."""
-    from jax_scaled.rules._common import guard_band
-
     low, high, target = guard_band(dtype)
     neutral = (2.0**-divisor_exponent, 1.0)
     largest = float(np.max(np.abs(wide.astype(np.float64))))
@@ -143,8 +147,6 @@ def test_guard_factors_match_their_definition(dtype, data):
     """The guard's bit arithmetic (unsigned range tests, clamped exponent fields) against
     the plain definition, for data anywhere in float32's range, zeros, subnormals and
     infinities, with a folded power-of-two divisor."""
-    from jax_scaled.rules._common import guard_factors
-
     magnitude = data.draw(st.integers(-149, 127))
     values = st.floats(-(2.0**magnitude), 2.0**magnitude, width=32, allow_nan=False)
     wide = data.draw(hnp.arrays(np.float32, data.draw(st.integers(1, 40)), elements=values))
