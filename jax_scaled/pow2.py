@@ -12,6 +12,7 @@ float16, bfloat16 and every float8 format, subnormals included.
 from __future__ import annotations
 
 import enum
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ MAX_SCALE_EXPONENT = 127
 
 _MANTISSA_BITS = 23
 EXPONENT_BIAS = 127  # float32's
+EXPONENT_FIELD = np.uint32(0xFF << _MANTISSA_BITS)  # float32's exponent bits: inf's pattern
 _SQRT2_MANTISSA_BITS = 0x3504F3  # mantissa bits of sqrt(2) in float32
 
 
@@ -248,6 +250,31 @@ def static_pow2_split(value: float) -> tuple[float, float]:
     """
     scale = static_pow2_round(value)
     return float(value) / scale, scale
+
+
+def static_pow2_exponent(value: float) -> int:
+    """The integer ``e`` with ``value == 2^e``, for a static power of two.
+
+    Example:
+        >>> static_pow2_exponent(0.25), static_pow2_exponent(32.0)
+        (-2, 5)
+    """
+    mantissa, exponent = math.frexp(value)
+    if mantissa != 0.5:
+        raise ValueError(f"{value} is not a power of two")
+    return exponent - 1
+
+
+def static_pow2_bits(exponent: int) -> np.uint32:
+    """The float32 bit pattern of ``2^exponent`` (its exponent field) as a uint32 literal.
+    An exponent past float32's range gives a pattern past inf's (into the sign bit, still a
+    uint32), for arithmetic that subtracts back into range.
+
+    Example:
+        >>> hex(static_pow2_bits(0)), static_pow2_bits(128) == EXPONENT_FIELD
+        ('0x3f800000', np.True_)
+    """
+    return np.uint32((exponent + EXPONENT_BIAS) << _MANTISSA_BITS)
 
 
 # Added to the float32 bits of a positive value before masking out the mantissa: rounding

@@ -26,6 +26,7 @@ from jax_scaled.config import current_config
 from jax_scaled.memo import memoized
 from jax_scaled.pow2 import (
     EXPONENT_BIAS,
+    EXPONENT_FIELD,
     MAX_SCALE_EXPONENT,
     MIN_SCALE_EXPONENT,
     Rounding,
@@ -35,6 +36,8 @@ from jax_scaled.pow2 import (
     pow2_reciprocal,
     pow2_round_positive,
     pow2_round_sqrt,
+    static_pow2_bits,
+    static_pow2_exponent,
     static_pow2_round,
 )
 
@@ -335,31 +338,22 @@ def guard_factors(
     if band is None or wide.size == 0:
         return None
     low, high, target = (e + divisor_exponent for e in band)
+    field = static_pow2_bits  # the exponent field of 2^e, as a uint32 literal
     exponent_bits = lax.bitwise_and(
-        lax.bitcast_convert_type(largest_magnitude(wide), jnp.uint32), _EXPONENT_FIELD
+        lax.bitcast_convert_type(largest_magnitude(wide), jnp.uint32), EXPONENT_FIELD
     )
     # Below the band but not zero, or above it but finite: two unsigned range tests, where
     # a field under the range's start wraps around to a huge value.
     outside = lax.bitwise_or(
-        lax.lt(lax.sub(exponent_bits, np.uint32(1)), np.uint32(_field(low) - 1)),
-        lax.lt(lax.sub(exponent_bits, _field(high)), np.uint32(_EXPONENT_FIELD - _field(high))),
+        lax.lt(lax.sub(exponent_bits, np.uint32(1)), np.uint32(field(low) - 1)),
+        lax.lt(lax.sub(exponent_bits, field(high)), np.uint32(EXPONENT_FIELD - field(high))),
     )
     # The exponent field moved to the target: the largest datum's (no lower than 2^-126
     # times the target), or the target's own when nothing moves.
-    centre = lax.select(outside, lax.max(exponent_bits, _field(target - 126)), _field(target))
-    up = lax.sub(centre, _field(target - EXPONENT_BIAS))
-    down = lax.sub(_field(target + EXPONENT_BIAS - divisor_exponent), centre)
+    centre = lax.select(outside, lax.max(exponent_bits, field(target - 126)), field(target))
+    up = lax.sub(centre, field(target - EXPONENT_BIAS))
+    down = lax.sub(field(target + EXPONENT_BIAS - divisor_exponent), centre)
     return lax.bitcast_convert_type(down, jnp.float32), lax.bitcast_convert_type(up, jnp.float32)
-
-
-_EXPONENT_FIELD = np.uint32(0x7F800000)  # float32's exponent bits: the field of inf
-
-
-def _field(exponent: int) -> np.ndarray:
-    """The float32 bit pattern of ``2^exponent`` (its exponent field) as a uint32 literal.
-    An exponent past float32's range gives a pattern past inf's (into the sign bit, still a
-    uint32); :func:`guard_factors` only subtracts from such a constant, back into range."""
-    return np.uint32((exponent + EXPONENT_BIAS) << 23)
 
 
 def largest_biased_exponent(wide: jax.Array) -> jax.Array:
@@ -443,16 +437,3 @@ def guarded(
     down, up = factors
     data = lax.convert_element_type(times_scalar(wide, down), dtype)
     return ScaledArray(data, make_scale(scale_mul(scale, up), *like))
-
-
-def static_pow2_exponent(value: float) -> int:
-    """The integer ``e`` with ``value == 2^e``, for a static power of two.
-
-    Example:
-        >>> static_pow2_exponent(0.25), static_pow2_exponent(32.0)
-        (-2, 5)
-    """
-    mantissa, exponent = math.frexp(value)
-    if mantissa != 0.5:
-        raise ValueError(f"{value} is not a power of two")
-    return exponent - 1
