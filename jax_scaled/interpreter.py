@@ -27,6 +27,7 @@ from jax_scaled.array import ScaledArray, _is_array_like
 from jax_scaled.config import ScalifyConfig, current_config
 from jax_scaled.fusion import bundle_scales
 from jax_scaled.memo import memoized, scale_memo
+from jax_scaled.peephole import transposed_contractions
 from jax_scaled.pow2 import (
     MIN_SCALE_EXPONENT,
     as_float32,
@@ -164,8 +165,19 @@ def interpret_jaxpr(
         env[var] = _constant_slot(const)
     for var, slot in zip(jaxpr.invars, in_slots, strict=True):
         env[var] = slot
-    for eqn in jaxpr.eqns:
-        out_slots = interpret_eqn(eqn, [read(v) for v in eqn.invars])
+    swaps = transposed_contractions(jaxpr)
+    skipped: set[int] = set()
+    for index, eqn in enumerate(jaxpr.eqns):
+        if index in skipped:
+            continue
+        in_slots = [read(v) for v in eqn.invars]
+        swap = swaps.get(index)
+        if swap is not None and any(s.is_scaled for s in in_slots):
+            # A scaled weight gradient: the swapped dot writes the transposed result itself.
+            transpose_index, eqn = swap
+            skipped.add(transpose_index)
+            in_slots.reverse()
+        out_slots = interpret_eqn(eqn, in_slots)
         for var, slot in zip(eqn.outvars, out_slots, strict=True):
             if not isinstance(var, jxi.DropVar):
                 env[var] = slot
