@@ -28,10 +28,10 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.interpreter import (
     Slot,
-    _promote_inputs,
     _rule_output_slots,
     register_higher_order_rule,
 )
+from jax_scaled.promotion import promote_inputs
 
 custom_scale_call_p = jxi.Primitive("custom_scale_call")
 custom_scale_call_p.multiple_results = True
@@ -157,6 +157,6 @@ jxi.batching.primitive_batchers[custom_scale_call_p] = _batch
 @register_higher_order_rule(custom_scale_call_p)
 def _custom_scale_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     call: _Call = eqn.params["call"]
-    out = call.rule(*call.arguments(_promote_inputs(in_slots)))
+    out = call.rule(*call.arguments(promote_inputs(in_slots)))
     leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, ScaledArray))
     return _rule_output_slots(eqn, leaves)

@@ -24,17 +24,11 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled import diagnostics, estimates
 from jax_scaled.any_scale import AnyScaleValue
 from jax_scaled.array import ScaledArray, _is_array_like
-from jax_scaled.config import ScalifyConfig, current_config
+from jax_scaled.config import ScalifyConfig
 from jax_scaled.fusion import bundle_scales
-from jax_scaled.memo import memoized, scale_memo
+from jax_scaled.memo import scale_memo
 from jax_scaled.peephole import transposed_contractions
-from jax_scaled.pow2 import (
-    MIN_SCALE_EXPONENT,
-    as_float32,
-    pow2_exponent,
-    pow2_from_exponent,
-    static_pow2_split,
-)
+from jax_scaled.promotion import promote_inputs
 from jax_scaled.registry import applies_to_unscaled, find_scale_rule
 
 Value = Any  # jax.Array | ScaledArray
@@ -224,7 +218,7 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
             f"{_source_line(eqn)}. Register one with jax_scaled.register_scale_rule, "
             "or leave this value unscaled (jax_scaled.stop_scaling) before the operation."
         )
-    invals = _promote_inputs(in_slots, eqn.primitive.name)
+    invals = promote_inputs(in_slots, eqn.primitive.name)
     with jxi.eqn_user_context(eqn):
         outs = rule(*invals, **eqn.params)
     out_slots = _rule_output_slots(eqn, outs)
@@ -401,92 +395,6 @@ def _check_rule_outputs(eqn: jxi.JaxprEqn, outs: list[Value]) -> None:
             )
         if isinstance(out, ScaledArray):
             _check_scalar_scale(out)
-
-
-# ---------------------------------------------------------------------------------------
-# Promotion of broadcast scalars and special constants
-# ---------------------------------------------------------------------------------------
-
-
-# Primitives whose output scale is a product of the input scales. A scale-independent
-# operand (zeros, infinities; traced or constant) is promoted there at the scale that puts
-# the product at the smallest normal float32 scale: a zero product (``0 * x``, e.g. a
-# learning rate warming up from 0) then never dominates a later sum's scale, which would
-# otherwise take it as the sum's unit and push the other addend's data towards underflow.
-_MULTIPLICATIVE = {"mul", "div", "dot_general", "conv_general_dilated"}
-_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
-
-
-def _promote_inputs(in_slots: list[Slot], primitive_name: str = "") -> list[Value]:
-    scale = next((s.value.scale for s in in_slots if s.is_scaled), None)
-    if scale is None:
-        return [s.value for s in in_slots]
-    if primitive_name in _MULTIPLICATIVE:  # computed only if a zero operand asks for it
-        reference = functools.cache(lambda: _zero_factor_scale(scale))
-    else:
-        reference = lambda: scale  # noqa: E731
-    scale_dtype = current_config().scale_dtype or scale.dtype
-    return [_promote(s, reference, scale_dtype) for s in in_slots]
-
-
-def _zero_factor_scale(other_scale: jax.Array) -> jax.Array:
-    """The scale of a scale-free factor whose product with ``other_scale`` is ``2^-126``
-    (within ``[2^-126, 1]``, so that it is a normal number in every scale dtype)."""
-    if isinstance(other_scale, np.ndarray):  # a static scale stays static
-        with np.errstate(divide="ignore"):
-            scale = _SMALLEST_NORMAL / other_scale.astype(np.float32)
-        return np.clip(scale, _SMALLEST_NORMAL, 1.0).astype(other_scale.dtype)
-    # 2^-126 / 2^e = 2^(-126 - e), from the exponent: a float division would be a kernel
-    # of its own in XLA:CPU, once for every promoted operand.
-    exponent = jax.lax.sub(np.int32(MIN_SCALE_EXPONENT), pow2_exponent(other_scale))
-    exponent = jax.lax.clamp(np.int32(MIN_SCALE_EXPONENT), exponent, np.int32(0))
-    return pow2_from_exponent(exponent, clamp=False).astype(other_scale.dtype)
-
-
-def _split_scalar(base: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(mantissa, scale, any_scale)`` of a 0-d float value: for a normal float32 number,
-    its exact split into a mantissa in ``[1, 2)`` (signed) and a power of two, with bit
-    operations; for anything else (zero, subnormal, infinity, NaN), the value at scale 1.
-    ``any_scale`` is true for zeros, infinities and NaNs, the same at any scale."""
-    value = jnp.asarray(base).astype(np.float32)
-    bits = jax.lax.bitcast_convert_type(value, np.uint32)
-    exponent_bits = bits & np.uint32(0x7F800000)
-    normal = (exponent_bits != np.uint32(0)) & (exponent_bits != np.uint32(0x7F800000))
-    unit = (bits & np.uint32(0x807FFFFF)) | np.uint32(0x3F800000)  # same sign and mantissa
-    mantissa = jax.lax.select(normal, jax.lax.bitcast_convert_type(unit, np.float32), value)
-    power = jax.lax.bitcast_convert_type(exponent_bits, np.float32)
-    scale = jax.lax.select(normal, power, np.float32(1.0))
-    zero = (bits & np.uint32(0x7FFFFFFF)) == np.uint32(0)
-    return mantissa, scale, zero | (exponent_bits == np.uint32(0x7F800000))
-
-
-def _promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) -> Value:
-    """``slot``'s value as a ScaledArray when its static facts allow; ``reference()`` gives the
-    scale for values that are the same at any scale (zeros, infinities, NaNs)."""
-    value = slot.value
-    no_facts = slot.base is None and slot.constant is None and slot.estimate is None
-    no_facts = no_facts and not slot.any_scale
-    if slot.is_scaled or no_facts or not jnp.issubdtype(value.dtype, jnp.floating):
-        return value
-    if slot.is_any_scale:
-        # Zeros, infinities and NaNs are the same at any scale: take the other operand's.
-        return ScaledArray(jnp.asarray(value), reference())
-    if slot.constant is not None:
-        mantissa, scale = static_pow2_split(slot.constant)
-        data = jax.lax.full(np.shape(value), np.asarray(mantissa, value.dtype), value.dtype)
-        # A numpy (static) scale tells rules this operand is a trace-time constant.
-        return ScaledArray(data, np.asarray(scale, np.float32).astype(scale_dtype))
-    if slot.base is not None:
-        mantissa, scale, any_scale = memoized("split", slot.base, lambda: _split_scalar(slot.base))
-        # A traced zero (or inf, nan) is the same at any scale: take the other operand's.
-        scale = jax.lax.select(any_scale, as_float32(reference()), scale)
-        mantissa = jax.lax.convert_element_type(mantissa, value.dtype)
-        data = jax.lax.broadcast_in_dim(mantissa, value.shape, ())
-        return ScaledArray(data, jax.lax.convert_element_type(scale, scale_dtype))
-    scale = jnp.asarray(slot.estimate, jnp.float32)
-    wide = jnp.promote_types(value.dtype, jnp.float32)
-    data = (value.astype(wide) * (1 / scale).astype(wide)).astype(value.dtype)
-    return ScaledArray(data, scale.astype(scale_dtype))
 
 
 # ---------------------------------------------------------------------------------------

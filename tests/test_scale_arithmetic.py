@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import jax_scaled as js
-from jax_scaled import interpreter
+from jax_scaled import interpreter, promotion
 from jax_scaled.config import current_config
 from jax_scaled.memo import memo_size, memoized, scale_memo
 from jax_scaled.pow2 import (
@@ -153,7 +153,7 @@ def test_static_output_scale_stays_static(scale, scale_dtype):
 
 
 def split(value, dtype=jnp.float32):
-    mantissa, scale, any_scale = interpreter._split_scalar(jnp.asarray(value, dtype))
+    mantissa, scale, any_scale = promotion.split_scalar(jnp.asarray(value, dtype))
     return float(mantissa), float(scale), bool(any_scale)
 
 
@@ -203,8 +203,8 @@ def test_bias_correction_is_split_once_for_every_parameter(leaves, monkeypatch):
         splits.append(base)
         return split_scalar(base)
 
-    split_scalar = interpreter._split_scalar
-    monkeypatch.setattr(interpreter, "_split_scalar", counting_split)
+    split_scalar = promotion.split_scalar
+    monkeypatch.setattr(promotion, "split_scalar", counting_split)
     jax.make_jaxpr(js.scalify(adam_update))(*adam_inputs(leaves))
     assert len(splits) == len({id(b) for b in splits}) == 2
 
@@ -223,10 +223,10 @@ def test_adam_update_with_split_scalars_matches_plain():
 
 def test_zero_factor_scale_from_exponents():
     for exponent in [-126, -30, 0, 40, 127]:
-        got = interpreter._zero_factor_scale(jnp.float32(2.0**exponent))
+        got = promotion.zero_factor_scale(jnp.float32(2.0**exponent))
         expected = np.clip(2.0**-126 / 2.0**exponent, 2.0**-126, 1.0)
         assert float(got) == expected, exponent
-    assert float(interpreter._zero_factor_scale(jnp.float32(0.0))) == 1.0
+    assert float(promotion.zero_factor_scale(jnp.float32(0.0))) == 1.0
 
 
 # ---------------------------------------------------------------------------------------

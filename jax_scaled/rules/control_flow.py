@@ -50,11 +50,11 @@ from jax_scaled.interpreter import (
     Slot,
     _interpret_closed,
     _plain_slot,
-    _promote,
     interpret_jaxpr,
     register_higher_order_rule,
 )
 from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_ratio
+from jax_scaled.promotion import promote
 from jax_scaled.rules._common import is_static, rescale
 
 Value = Any  # jax.Array | ScaledArray
@@ -96,7 +96,7 @@ def _conform(slot: Slot, signature: Signature) -> Value:
 def _promote_plain(slot: Slot) -> ScaledArray:
     """A plain float value as a ScaledArray, from its static facts (exact: pow2 scales)."""
     smallest = jnp.asarray(2.0**MIN_SCALE_EXPONENT, jnp.float32)  # the scale of zeros
-    promoted = _promote(slot, lambda: smallest, current_config().scale_dtype or jnp.float32)
+    promoted = promote(slot, lambda: smallest, current_config().scale_dtype or jnp.float32)
     if isinstance(promoted, ScaledArray):
         return promoted
     return ScaledArray._trusted(promoted, np.ones((), np.float32))

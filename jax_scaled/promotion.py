@@ -1,0 +1,148 @@
+"""Promotion: plain values that meet a ScaledArray become ScaledArrays, exactly.
+
+The interpreter knows some plain values statically (see :class:`~jax_scaled.interpreter.Slot`):
+a trace-time constant, a broadcast of a 0-d value, a magnitude estimate, or a value that is
+the same at any scale (zeros, infinities, NaNs). When such a value is an operand of a scale
+rule, it is split into data and a power-of-two scale without rounding: a constant by its
+mantissa and exponent, a traced scalar by its float32 bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_scaled.array import ScaledArray
+from jax_scaled.config import current_config
+from jax_scaled.memo import memoized
+from jax_scaled.pow2 import (
+    MIN_SCALE_EXPONENT,
+    as_float32,
+    pow2_exponent,
+    pow2_from_exponent,
+    static_pow2_split,
+)
+
+if TYPE_CHECKING:
+    from jax_scaled.interpreter import Slot
+
+Value = Any  # jax.Array | ScaledArray
+
+# Primitives whose output scale is a product of the input scales. A scale-independent
+# operand (zeros, infinities; traced or constant) is promoted there at the scale that puts
+# the product at the smallest normal float32 scale: a zero product (``0 * x``, e.g. a
+# learning rate warming up from 0) then never dominates a later sum's scale, which would
+# otherwise take it as the sum's unit and push the other addend's data towards underflow.
+_MULTIPLICATIVE = {"mul", "div", "dot_general", "conv_general_dilated"}
+_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
+
+_SIGN_AND_MANTISSA = np.uint32(0x807FFFFF)
+_EXPONENT = np.uint32(0x7F800000)
+_MAGNITUDE = np.uint32(0x7FFFFFFF)
+_ONE = np.uint32(0x3F800000)
+
+
+def promote_inputs(in_slots: list[Slot], primitive_name: str = "") -> list[Value]:
+    """The operands of a scale rule: the slots' values, with every plain float value whose
+    static facts allow it promoted to a ScaledArray (see :func:`promote`).
+
+    Example:
+        >>> from jax_scaled.interpreter import Slot
+        >>> x = scaled_array([1.0, 2.0], 4.0)
+        >>> _, two = promote_inputs([Slot(x), Slot(np.float32(6.0), constant=6.0)], "mul")
+        >>> float(two.data), float(two.scale)
+        (1.5, 4.0)
+    """
+    scale = next((s.value.scale for s in in_slots if s.is_scaled), None)
+    if scale is None:
+        return [s.value for s in in_slots]
+    if primitive_name in _MULTIPLICATIVE:  # computed only if a zero operand asks for it
+        reference = functools.cache(lambda: zero_factor_scale(scale))
+    else:
+        reference = lambda: scale  # noqa: E731
+    scale_dtype = current_config().scale_dtype or scale.dtype
+    return [promote(s, reference, scale_dtype) for s in in_slots]
+
+
+def zero_factor_scale(other_scale: jax.Array) -> jax.Array:
+    """The scale of a scale-free factor whose product with ``other_scale`` is ``2^-126``
+    (within ``[2^-126, 1]``, so that it is a normal number in every scale dtype).
+
+    Example:
+        >>> float(zero_factor_scale(jnp.float32(2.0**-100))) == 2.0**-26
+        True
+    """
+    if isinstance(other_scale, np.ndarray):  # a static scale stays static
+        with np.errstate(divide="ignore"):
+            scale = _SMALLEST_NORMAL / other_scale.astype(np.float32)
+        return np.clip(scale, _SMALLEST_NORMAL, 1.0).astype(other_scale.dtype)
+    # 2^-126 / 2^e = 2^(-126 - e), from the exponent: a float division would be a kernel
+    # of its own in XLA:CPU, once for every promoted operand.
+    exponent = lax.sub(np.int32(MIN_SCALE_EXPONENT), pow2_exponent(other_scale))
+    exponent = lax.clamp(np.int32(MIN_SCALE_EXPONENT), exponent, np.int32(0))
+    return pow2_from_exponent(exponent, clamp=False).astype(other_scale.dtype)
+
+
+def split_scalar(base: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(mantissa, scale, any_scale)`` of a 0-d float value: for a normal float32 number,
+    its exact split into a mantissa in ``[1, 2)`` (signed) and a power of two, with bit
+    operations; for anything else (zero, subnormal, infinity, NaN), the value at scale 1.
+    ``any_scale`` is true for zeros, infinities and NaNs, the same at any scale.
+
+    Example:
+        >>> [x.item() for x in split_scalar(jnp.float32(-6.0))]
+        [-1.5, 4.0, False]
+    """
+    value = lax.convert_element_type(base, np.float32)
+    bits = lax.bitcast_convert_type(value, np.uint32)
+    exponent_bits = lax.bitwise_and(bits, _EXPONENT)
+    infinite_or_nan = lax.eq(exponent_bits, _EXPONENT)
+    normal = lax.bitwise_and(lax.ne(exponent_bits, np.uint32(0)), lax.bitwise_not(infinite_or_nan))
+    unit = lax.bitwise_or(lax.bitwise_and(bits, _SIGN_AND_MANTISSA), _ONE)  # sign, mantissa
+    mantissa = lax.select(normal, lax.bitcast_convert_type(unit, np.float32), value)
+    power = lax.bitcast_convert_type(exponent_bits, np.float32)
+    scale = lax.select(normal, power, np.ones((), np.float32))
+    zero = lax.eq(lax.bitwise_and(bits, _MAGNITUDE), np.uint32(0))
+    return mantissa, scale, lax.bitwise_or(zero, infinite_or_nan)
+
+
+def promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) -> Value:
+    """``slot``'s value as a ScaledArray when its static facts allow; ``reference()`` gives the
+    scale for values that are the same at any scale (zeros, infinities, NaNs).
+
+    Example:
+        >>> from jax_scaled.interpreter import Slot
+        >>> zeros = Slot(jnp.zeros(2), any_scale=True)
+        >>> float(promote(zeros, lambda: np.float32(8.0), jnp.float32).scale)
+        8.0
+    """
+    value = slot.value
+    no_facts = slot.base is None and slot.constant is None and slot.estimate is None
+    no_facts = no_facts and not slot.any_scale
+    if slot.is_scaled or no_facts or not jnp.issubdtype(value.dtype, jnp.floating):
+        return value
+    if slot.is_any_scale:
+        # Zeros, infinities and NaNs are the same at any scale: take the other operand's.
+        return ScaledArray(jnp.asarray(value), reference())
+    if slot.constant is not None:
+        mantissa, scale = static_pow2_split(slot.constant)
+        data = lax.full(np.shape(value), np.asarray(mantissa, value.dtype), value.dtype)
+        # A numpy (static) scale tells rules this operand is a trace-time constant.
+        return ScaledArray(data, np.asarray(scale, np.float32).astype(scale_dtype))
+    if slot.base is not None:
+        mantissa, scale, any_scale = memoized("split", slot.base, lambda: split_scalar(slot.base))
+        # A traced zero (or inf, nan) is the same at any scale: take the other operand's.
+        scale = lax.select(any_scale, as_float32(reference()), scale)
+        mantissa = lax.convert_element_type(mantissa, value.dtype)
+        data = lax.broadcast_in_dim(mantissa, value.shape, ())
+        return ScaledArray(data, lax.convert_element_type(scale, scale_dtype))
+    scale = jnp.asarray(slot.estimate, jnp.float32)
+    wide = jnp.promote_types(value.dtype, jnp.float32)
+    data = (value.astype(wide) * (1 / scale).astype(wide)).astype(value.dtype)
+    return ScaledArray(data, scale.astype(scale_dtype))
