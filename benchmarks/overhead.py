@@ -7,7 +7,10 @@ Model: MLP 784-512-512-10, ReLU, log-softmax cross-entropy, SGD (lr 1e-2), batch
 data with a fixed seed. Variants, measured interleaved in one process:
 
 * ``plain``:    ``jax.jit(step)`` on plain arrays of the given dtype;
-* ``scalified``: ``jax.jit(js.scalify(step))`` on ScaledArrays with data of that dtype.
+* ``scalified``: ``jax.jit(js.scalify(step))`` on ScaledArrays with data of that dtype;
+* ``unguarded`` (with ``--unguarded``): the same without the range guard
+  (``ScalifyConfig(guard=False)``), to show what the guard costs. Not the default: without
+  the guard, float16 training can overflow (docs/index.md).
 
 Each repetition builds a fresh step function (so no jit cache is reused), times its first
 call (trace + lower + compile + one run, blocked), then times ``--steps`` chained steps one by
@@ -34,6 +37,7 @@ import jax_scaled as js
 SIZES = (784, 512, 512, 10)
 BATCH = 128
 GOALS = {"step": 1.05, "first call": 1.5}
+CONFIGS = {"scalified": None, "unguarded": js.ScalifyConfig(guard=False)}
 
 
 def init_params(key: jax.Array) -> list[dict[str, jax.Array]]:
@@ -84,9 +88,9 @@ def make_inputs(dtype, scaled: bool, seed: int = 0):
 
 def measure(variant: str, dtype, steps: int) -> tuple[float, list[float], bool]:
     """First-call seconds, per-step seconds and whether the final loss is finite."""
-    scaled = variant == "scalified"
+    scaled = variant != "plain"
     step, _ = make_step()
-    fn = jax.jit(js.scalify(step)) if scaled else jax.jit(step)
+    fn = jax.jit(js.scalify(step, config=CONFIGS[variant])) if scaled else jax.jit(step)
     params, opt_state, batch = make_inputs(dtype, scaled)
     jax.block_until_ready((params, opt_state, batch))
 
@@ -104,8 +108,9 @@ def measure(variant: str, dtype, steps: int) -> tuple[float, list[float], bool]:
     return first, times, bool(np.isfinite(float(js.asarray(loss, jnp.float32))))
 
 
-def run(dtypes: Sequence[str], reps: int, steps: int) -> dict:
-    variants = ("plain", "scalified")
+def run(
+    dtypes: Sequence[str], reps: int, steps: int, variants: Sequence[str] = ("plain", "scalified")
+) -> dict:
     firsts = {(d, v): [] for d in dtypes for v in variants}
     step_times = {(d, v): [] for d in dtypes for v in variants}
     finite = {(d, v): True for d in dtypes for v in variants}
@@ -124,15 +129,16 @@ def run(dtypes: Sequence[str], reps: int, steps: int) -> dict:
     }
 
 
-def format_table(results: dict, dtypes: Sequence[str]) -> str:
+def format_table(results: dict, dtypes: Sequence[str], variant: str = "scalified") -> str:
+    """Markdown table of ``variant`` against plain, one row per dtype."""
     header = (
-        "dtype", "plain step ms", "scalified step ms", "step ratio",
-        "plain first call s", "scalified first call s", "first call ratio", "final loss finite",
+        "dtype", "plain step ms", f"{variant} step ms", "step ratio",
+        "plain first call s", f"{variant} first call s", "first call ratio", "final loss finite",
     )  # fmt: skip
     rows = [header]
     for dtype in dtypes:
         p_first, p_step, p_ok = results[dtype, "plain"]
-        s_first, s_step, s_ok = results[dtype, "scalified"]
+        s_first, s_step, s_ok = results[dtype, variant]
         rows.append(
             (
                 dtype,
@@ -142,7 +148,7 @@ def format_table(results: dict, dtypes: Sequence[str]) -> str:
                 f"{p_first:.2f}",
                 f"{s_first:.2f}",
                 f"{s_first / p_first:.2f}x",
-                f"plain {'yes' if p_ok else 'NO'}, scalified {'yes' if s_ok else 'NO'}",
+                f"plain {'yes' if p_ok else 'NO'}, {variant} {'yes' if s_ok else 'NO'}",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -158,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="fresh functions per variant")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per repetition")
     parser.add_argument("--dtypes", default="float32,float16", help="comma-separated dtypes")
+    parser.add_argument(
+        "--unguarded", action="store_true", help="also time scalify without the range guard"
+    )
     args = parser.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     device = jax.devices()[0]
@@ -166,8 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"steps; jax {jax.__version__}, {device.platform} ({device.device_kind}), "
         f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
     )
-    results = run(dtypes, args.reps, args.steps)
+    variants = ("plain", "scalified", "unguarded") if args.unguarded else ("plain", "scalified")
+    results = run(dtypes, args.reps, args.steps, variants)
     print(format_table(results, dtypes))
+    if args.unguarded:
+        print("\nwithout the range guard (ScalifyConfig(guard=False), not the default):")
+        print(format_table(results, dtypes, "unguarded"))
     print(
         f"goals: step ratio <= {GOALS['step']}x, first call ratio <= {GOALS['first call']}x "
         "(medians; ratio = scalified / plain)"

@@ -4,7 +4,10 @@ Each value of the jaxpr travels in a :class:`Slot`: the value itself (a plain ar
 ScaledArray) and what is statically known about it (is it a broadcast scalar, and of which
 constant). An equation whose inputs are all plain is bound untouched; a higher-order equation
 (``jit``, ``custom_jvp_call``, ...) has its sub-jaxpr interpreted; any other equation with a
-scaled input goes to its registered scale rule.
+scaled input goes to its registered scale rule, after plain operands known statically are
+promoted to ScaledArrays (:mod:`jax_scaled.promotion`). A scaled ``dot_general`` whose only
+use is a transpose of its result is bound as one swapped contraction
+(:mod:`jax_scaled.peephole`).
 """
 
 from __future__ import annotations
