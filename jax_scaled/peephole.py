@@ -28,10 +28,12 @@ def transposed_contractions(jaxpr: jxi.Jaxpr) -> dict[int, tuple[int, jxi.JaxprE
         ...  transposed_contractions(jaxpr.jaxpr).items()]
         [(0, 1, (4, 2))]
     """
-    uses = _use_counts(jaxpr)
     producer = {
         eqn.outvars[0]: i for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive is lax.dot_general_p
     }
+    if not producer:
+        return {}
+    uses = _use_counts(jaxpr)
     found = {}
     for j, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive is not lax.transpose_p or isinstance(eqn.invars[0], jxi.Literal):

@@ -22,10 +22,12 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.memo import memoized
 from jax_scaled.pow2 import (
+    EXPONENT_FIELD,
     MIN_SCALE_EXPONENT,
     as_float32,
     pow2_exponent,
     pow2_from_exponent,
+    static_pow2_bits,
     static_pow2_split,
 )
 
@@ -42,10 +44,8 @@ Value = Any  # jax.Array | ScaledArray
 _MULTIPLICATIVE = {"mul", "div", "dot_general", "conv_general_dilated"}
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
-_SIGN_AND_MANTISSA = np.uint32(0x807FFFFF)
-_EXPONENT = np.uint32(0x7F800000)
+_SIGN_AND_MANTISSA = ~EXPONENT_FIELD
 _MAGNITUDE = np.uint32(0x7FFFFFFF)
-_ONE = np.uint32(0x3F800000)
 
 
 def promote_inputs(in_slots: list[Slot], primitive_name: str = "") -> list[Value]:
@@ -101,10 +101,10 @@ def split_scalar(base: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """
     value = lax.convert_element_type(base, np.float32)
     bits = lax.bitcast_convert_type(value, np.uint32)
-    exponent_bits = lax.bitwise_and(bits, _EXPONENT)
-    infinite_or_nan = lax.eq(exponent_bits, _EXPONENT)
+    exponent_bits = lax.bitwise_and(bits, EXPONENT_FIELD)
+    infinite_or_nan = lax.eq(exponent_bits, EXPONENT_FIELD)
     normal = lax.bitwise_and(lax.ne(exponent_bits, np.uint32(0)), lax.bitwise_not(infinite_or_nan))
-    unit = lax.bitwise_or(lax.bitwise_and(bits, _SIGN_AND_MANTISSA), _ONE)  # sign, mantissa
+    unit = lax.bitwise_or(lax.bitwise_and(bits, _SIGN_AND_MANTISSA), static_pow2_bits(0))
     mantissa = lax.select(normal, lax.bitcast_convert_type(unit, np.float32), value)
     power = lax.bitcast_convert_type(exponent_bits, np.float32)
     scale = lax.select(normal, power, np.ones((), np.float32))
