@@ -49,11 +49,10 @@ class Config:
     hidden: tuple[int, ...] = (128, 128)
     optimizer: str = "adam"  # "adam" or "sgd" (with momentum 0.9)
     learning_rate: float | None = None  # default: 1e-3 for adam, 0.05 for sgd
-    # Adam's epsilon. optax's 1e-8 is below float16's smallest subnormal (6e-8): JAX rounds
-    # the constant to 0 while tracing a float16 program, so m / (sqrt(v) + eps) is 0/0 for
-    # any unused input pixel, in raw float16 and in scalified float16 alike (scalify sees the
-    # program after JAX rounded it). 1e-7 is representable in float16; fp32 is unaffected.
-    adam_eps: float = 1e-7
+    # Adam's epsilon: optax's default. It is below float16's smallest subnormal (6e-8): JAX
+    # rounds it to 0 while tracing a float16 program, so raw float16 computes
+    # m / (sqrt(v) + 0), 0/0 for any unused input pixel; scalify recovers 1e-8.
+    adam_eps: float = 1e-8
     seed: int = 0
     test_fraction: float = 0.25
     warmup_steps: int = 10  # steps left out of the ms/step median (compilation, caches)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_scaled import _jax_internals as jxi
+from jax_scaled.dtypes import compute_dtype
 from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_round, pow2_split
 
 DTypeLike = Any
@@ -98,7 +99,7 @@ class ScaledArray:
         representable in ``dtype`` is returned exactly.
         """
         dtype = jnp.dtype(dtype or self.dtype)
-        compute = jnp.promote_types(jnp.promote_types(self.dtype, jnp.float32), dtype)
+        compute = jnp.promote_types(compute_dtype(self.dtype), compute_dtype(dtype))
         value = self.data.astype(compute) * self.scale.astype(compute)
         return value.astype(dtype)
 
@@ -212,18 +213,20 @@ def _as_scaled_leaf(x: Any, scale, scale_dtype) -> Any:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _split_array(x: jax.Array, scale_dtype) -> tuple[jax.Array, jax.Array]:
-    """Default ``(data, scale)`` of an array: a mantissa split for scalars, RMS for arrays."""
+    """Default ``(data, scale)`` of an array: a mantissa split for scalars (a zero at the
+    smallest scale, as an all-zero array), RMS for arrays."""
     if x.ndim == 0:
         data, scale = pow2_split(x)
+        scale = jnp.where(x == 0, jnp.float32(2.0**MIN_SCALE_EXPONENT), scale)
     else:
         scale = _default_array_scale(x)
-        data = (x.astype(jnp.promote_types(x.dtype, jnp.float32)) / scale).astype(x.dtype)
+        data = (x.astype(compute_dtype(x.dtype)) / scale).astype(x.dtype)
     return data, scale.astype(scale_dtype)
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def _divide_by_scale(x: jax.Array, scale: jax.Array, scale_dtype) -> tuple[jax.Array, jax.Array]:
-    data = (x.astype(jnp.promote_types(x.dtype, jnp.float32)) / scale).astype(x.dtype)
+    data = (x.astype(compute_dtype(x.dtype)) / scale).astype(x.dtype)
     return data, scale.astype(scale_dtype)
 
 
@@ -233,7 +236,7 @@ def _default_array_scale(x: jax.Array) -> jax.Array:
     All-zero arrays get the smallest scale (they carry no scale information); arrays with
     non-finite values get 1.
     """
-    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    wide = x.astype(compute_dtype(x.dtype))
     rms = jnp.sqrt(jnp.mean(jnp.square(wide)))
     scale = pow2_round(rms)
     scale = jnp.where(rms == 0, jnp.float32(2.0**MIN_SCALE_EXPONENT), scale)
@@ -248,7 +251,9 @@ def as_scaled_array(tree: Any, scale=None, scale_dtype: DTypeLike | None = None)
     weight initialised with standard deviation ``1/sqrt(fan_in)`` gets that scale). An
     all-zero array, such as a fresh bias or optimizer moment, gets the smallest scale
     ``2^-126`` so that it never dominates an estimate. Floating scalars are split exactly into
-    a mantissa and a power-of-two scale. The default costs one reduction per array.
+    a mantissa and a power-of-two scale (a zero, such as optax's ``eps_root`` hyperparameter
+    in an ``inject_hyperparams`` state, at the smallest scale too). The default costs one
+    reduction per array.
 
     Integer and boolean leaves and non-array values are returned unchanged; ScaledArray leaves
     are kept (their scale cast to ``scale_dtype`` if given). ``scale_dtype`` defaults to

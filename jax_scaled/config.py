@@ -32,7 +32,9 @@ class ScalifyConfig:
             ``add_any``, ``concatenate``, ``stack``) check the largest output datum of a
             float16/float8 result, and move a power of two into the scale when it leaves
             the format's comfortable range (one max reduction, fused with the op). Healthy
-            data gives the static result exactly. ``False`` keeps purely static scales.
+            data gives the static result exactly. It also keeps the float32 data of loop
+            carries within ``2^+-8`` of 1, and gives a one-element result that is zero at
+            run time the smallest scale. ``False`` keeps purely static scales.
         guard_sums: also guard the outputs of ``add`` and ``sub`` in float16/float8
             (default ``False``; only with ``guard``). A sum takes the larger operand
             scale; when that operand's values are far below its scale, the other operand's

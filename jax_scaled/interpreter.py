@@ -24,14 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled import diagnostics, estimates
+from jax_scaled import constants, diagnostics, estimates
 from jax_scaled.any_scale import AnyScaleValue
 from jax_scaled.array import ScaledArray, _is_array_like
 from jax_scaled.config import ScalifyConfig
+from jax_scaled.dtypes import compute_dtype, is_narrow_float
 from jax_scaled.fusion import bundle_scales
 from jax_scaled.memo import scale_memo
 from jax_scaled.peephole import transposed_contractions
-from jax_scaled.promotion import promote_inputs
+from jax_scaled.promotion import normalized_scalar, normalizes, promote_inputs
 from jax_scaled.registry import applies_to_unscaled, find_scale_rule
 
 Value = Any  # jax.Array | ScaledArray
@@ -108,14 +109,15 @@ def _is_dynamic_leaf(x: Any) -> bool:
     return isinstance(x, ScaledArray) or _is_array_like(x)
 
 
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+def _abstract(x: Any, widen: bool = False) -> jax.ShapeDtypeStruct:
     weak_type = bool(getattr(getattr(x, "aval", None), "weak_type", False))
     if isinstance(x, ScaledArray):
         _check_scalar_scale(x)
         weak_type = False
     # Inside shard_map, keep the mesh axes the value varies over (check_vma typing).
     manual = jxi.manual_axis_kwargs(x.data if isinstance(x, ScaledArray) else x)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak_type, **manual)
+    dtype = compute_dtype(x.dtype) if widen else x.dtype
+    return jax.ShapeDtypeStruct(x.shape, dtype, weak_type=weak_type, **manual)
 
 
 def _check_scalar_scale(x: ScaledArray) -> None:
@@ -141,10 +143,22 @@ def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
         return out_leaves
 
     closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in dynamic])
-    with scale_memo():
-        out_slots = interpret_jaxpr(closed.jaxpr, closed.consts, [Slot(x) for x in dynamic])
+    found = _true_constants(flat_fn, closed, dynamic)
+    with scale_memo(), constants.true_constants(found):
+        in_slots = [Slot(normalized_scalar(x) if normalizes(x) else x) for x in dynamic]
+        out_slots = interpret_jaxpr(closed.jaxpr, closed.consts, in_slots)
     outputs = bundle_scales([s.value for s in out_slots], dynamic)
     return jax.tree.unflatten(out_tree_box[0], outputs)
+
+
+def _true_constants(
+    flat_fn: Callable, closed: jxi.ClosedJaxpr, dynamic: list
+) -> constants.TrueConstants:
+    """Constants such as optax's ``eps=1e-8`` that a narrow trace rounded to 0 or inf."""
+    if not any(is_narrow_float(x.dtype) for x in dynamic):
+        return constants.TrueConstants()
+    widened = [_abstract(x, widen=True) for x in dynamic]
+    return constants.recover_constants(closed, lambda: jax.make_jaxpr(flat_fn)(*widened))
 
 
 def interpret_jaxpr(
@@ -155,7 +169,7 @@ def interpret_jaxpr(
 
     def read(atom) -> Slot:
         if isinstance(atom, jxi.Literal):
-            return _constant_slot(atom.val)
+            return _constant_slot(atom.val, constants.true_value(atom))
         return env[atom]
 
     for var, const in zip(jaxpr.constvars, consts, strict=False):
@@ -181,11 +195,13 @@ def interpret_jaxpr(
     return [read(v) for v in jaxpr.outvars]
 
 
-def _constant_slot(value: Any) -> Slot:
+def _constant_slot(value: Any, true_value: float | None = None) -> Slot:
+    """The slot of a trace-time constant; ``true_value`` is the number the source wrote when
+    the narrow trace rounded it away (see :mod:`jax_scaled.constants`)."""
     if isinstance(value, ScaledArray) or isinstance(value, jxi.Tracer):
         return Slot(value)
     if np.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.floating):
-        constant = float(value)
+        constant = float(value) if true_value is None else true_value
         return Slot(value, constant=constant, base=value, estimate=estimates.of_constant(constant))
     return Slot(value)
 
@@ -237,6 +253,7 @@ def _rule_output_slots(eqn: jxi.JaxprEqn, outs: Any) -> list[Slot]:
     any_scale = [isinstance(v, AnyScaleValue) for v in outs]
     outs = [v.value if isinstance(v, AnyScaleValue) else v for v in outs]
     _check_rule_outputs(eqn, outs)
+    outs = [normalized_scalar(v) if normalizes(v) else v for v in outs]
     return [Slot(v, any_scale=a) for v, a in zip(outs, any_scale, strict=True)]
 
 
@@ -310,12 +327,21 @@ _ANY_SCALE_PRESERVING = _FACT_PRESERVING | {
 }  # fmt: skip
 
 
+# Products and quotients with one scale-independent factor are scale-independent: ``0 * x``
+# and ``0 / x`` are zeros (or NaNs), ``x * inf`` and ``x / 0`` infinities (or NaNs). Such a
+# zero (dpsgd's noise times noise_multiplier=0) then takes the scale of what it is added to.
+_ABSORBING = {"mul", "div"}
+
+
 def _keeps_any_scale(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> bool:
-    if eqn.primitive.name not in _ANY_SCALE_PRESERVING or len(eqn.outvars) != 1:
+    name = eqn.primitive.name
+    if (name not in _ANY_SCALE_PRESERVING and name not in _ABSORBING) or len(eqn.outvars) != 1:
         return False
     if not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
         return False
     floats = [s for s in in_slots if jnp.issubdtype(s.value.dtype, jnp.floating)]
+    if name in _ABSORBING:
+        return any(s.is_any_scale for s in floats)
     return bool(floats) and all(s.is_any_scale for s in floats)
 
 
@@ -338,8 +364,7 @@ def _elementwise_fact(eqn: jxi.JaxprEqn, in_slots: list[Slot], out: Any) -> Slot
         base = eqn.primitive.bind(*[_scalar_of(s) for s in in_slots], **eqn.params)
     constant = None
     if all(s.constant is not None for s in in_slots):
-        scalars = [np.asarray(s.constant, s.value.dtype) for s in in_slots]
-        constant = _fold_constant(eqn, scalars)
+        constant = _fold_constant(eqn, _fold_operands(in_slots))
     return Slot(out, constant=constant, base=base)
 
 
@@ -349,6 +374,16 @@ _NUMPY_EXACT = {
     "div": np.divide, "max": np.maximum, "min": np.minimum, "abs": np.abs, "sign": np.sign,
     "square": np.square,
 }  # fmt: skip
+
+
+def _fold_operands(in_slots: list[Slot]) -> list[np.ndarray]:
+    """The constants of ``in_slots`` as scalars of their dtype, or of float32 where a narrow
+    dtype cannot hold one of them (a constant the narrow trace rounded away, such as
+    ``eps=1e-8`` in float16: the float32 program folds it in float32)."""
+    dtypes = [s.value.dtype for s in in_slots]
+    if not all(constants.holds(d, s.constant) for d, s in zip(dtypes, in_slots, strict=True)):
+        dtypes = [compute_dtype(d) for d in dtypes]
+    return [np.asarray(s.constant, d) for d, s in zip(dtypes, in_slots, strict=True)]
 
 
 def _fold_constant(eqn: jxi.JaxprEqn, scalars: list[np.ndarray]) -> float:
@@ -372,12 +407,14 @@ def _summed_fact(source: Slot, out: Any, axes: Sequence[int]) -> Slot:
 
 
 def _converted_fact(source: Slot, out: Any) -> Slot:
-    """Facts of a broadcast scalar after a cast (kept only for float-to-float casts)."""
+    """Facts of a broadcast scalar after a cast (kept only for float-to-float casts). A
+    constant keeps its range: a narrowing cast rounds its mantissa only, as a cast of scaled
+    data does (the cast of ``1e-8`` to float16 is still ``1e-8``, to float16's precision)."""
     if not jnp.issubdtype(out.dtype, jnp.floating):
         return _plain_slot(out)
     constant = None
     if source.constant is not None:
-        constant = float(np.asarray(source.constant, np.float64).astype(out.dtype))
+        constant = constants.rounded_to_precision(source.constant, out.dtype)
     base = None if source.base is None else jnp.asarray(source.base).astype(out.dtype)
     return Slot(out, constant=constant, base=base)
 

@@ -20,6 +20,7 @@ from jax import lax
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
+from jax_scaled.dtypes import compute_dtype
 from jax_scaled.memo import memoized
 from jax_scaled.pow2 import (
     EXPONENT_FIELD,
@@ -143,6 +144,46 @@ def promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) ->
         data = lax.broadcast_in_dim(mantissa, value.shape, ())
         return ScaledArray(data, lax.convert_element_type(scale, scale_dtype))
     scale = jnp.asarray(slot.estimate, jnp.float32)
-    wide = jnp.promote_types(value.dtype, jnp.float32)
+    wide = compute_dtype(value.dtype)
     data = (value.astype(wide) * (1 / scale).astype(wide)).astype(value.dtype)
     return ScaledArray(data, scale.astype(scale_dtype))
+
+
+def normalized_scalar(x: ScaledArray) -> ScaledArray:
+    """A one-element ScaledArray that is zero at run time, at the smallest scale ``2^-126``
+    (the value is unchanged; other values are returned as they are).
+
+    Rules estimate scales statically, so a scalar that is exactly zero at run time (a
+    ``vdot`` with a zero difference of parameters in prodigy's first step) keeps whatever
+    scale its estimate gave, however large. A later ``max`` or sum with it takes that scale
+    and pushes the other operand's data far below 1 (to float16's subnormals, or to a float32
+    product that flushes). A zero takes the smallest scale instead, as a scale-free zero
+    does when it is promoted (:func:`zero_factor_scale`). For a scalar the test costs one
+    comparison, so the interpreter applies it to every one-element rule output (with the
+    range guard on), except a static scale (a trace-time constant).
+
+    Example:
+        >>> float(normalized_scalar(scaled_array(0.0, 2.0**40)).scale) == 2.0**-126
+        True
+        >>> float(normalized_scalar(scaled_array([6.0], 2.0**10)).scale)
+        1024.0
+    """
+    zero = lax.eq(lax.reshape(x.data, ()), np.zeros((), x.dtype))
+    smallest = np.asarray(_SMALLEST_NORMAL, np.float32).astype(x.scale.dtype)
+    return ScaledArray(x.data, lax.select(zero, smallest, x.scale))
+
+
+def normalizes(x: Any) -> bool:
+    """True for a rule output that :func:`normalized_scalar` applies to.
+
+    Example:
+        >>> normalizes(scaled_array([1.0], jnp.float32(2.0))), normalizes(jnp.ones(1))
+        (True, False)
+    """
+    return (
+        isinstance(x, ScaledArray)
+        and x.size == 1
+        and not isinstance(x.scale, np.ndarray | np.generic)
+        and jnp.dtype(x.dtype).itemsize <= 4
+        and current_config().guard
+    )

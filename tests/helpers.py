@@ -90,12 +90,45 @@ def reference64(fn: Callable, *inputs: Any) -> Any:
 
 def _to64(tree: Any) -> Any:
     def convert(x):
+        if _is_key(x):
+            return x
         value = np.asarray(value64(x))
         if value.dtype == np.float64:
             return jnp.asarray(value, jnp.float64)
         return jnp.asarray(x)
 
     return js.tree.tree_map(convert, tree)
+
+
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(getattr(x, "dtype", None) or np.float32, jax.dtypes.prng_key)
+
+
+def float32_values(tree: Any) -> Any:
+    """The represented values of ``tree``'s floating leaves as float32 arrays (others as is)."""
+
+    def convert(x):
+        if _is_key(x):
+            return x
+        value = value64(x)
+        return jnp.asarray(value, jnp.float32) if value.dtype == np.float64 else x
+
+    return js.tree.tree_map(convert, tree)
+
+
+def reference32(fn: Callable, *inputs: Any) -> Any:
+    """``fn`` evaluated (jitted) in float32 on the represented values of ``inputs``: the
+    program a user would compare a float16 scalified one with. Unlike :func:`reference64`,
+    random draws and float32 intermediates are those of the float32 program."""
+    return jax.jit(fn)(*float32_values(inputs))
+
+
+def expected_scale(x: js.ScaledArray, scale: float) -> float:
+    """``scale``, or the smallest scale ``2^-126`` when ``x`` is one element that is zero at
+    run time (scalify gives such a scalar the smallest scale: it carries no magnitude)."""
+    if x.size == 1 and float(np.asarray(x.data, np.float64).reshape(())) == 0.0:
+        return 2.0**-126
+    return float(scale)
 
 
 def assert_pow2_scales(tree: Any) -> None:

@@ -5,8 +5,10 @@ the gradient of a fixed random weighting of ``y`` (w.r.t. the params, and ``x`` 
 float) in one ``jax.jit(js.scalify(...))``, with params and input as ScaledArrays:
 
 * float32: everything matches the plain function (relative error <= 1e-5);
-* float16 data (Dense, Conv, LayerNorm), inputs of magnitude 2^-20 and 2^+20: within a few
-  float16 roundings of a float64 reference.
+* float16 data (every layer), inputs of magnitude 2^-20 and 2^+20: finite, and within a few
+  float16 roundings of the float32 program on the true values (not a float64 one: random
+  draws such as Dropout's mask are drawn in the default float dtype, and a float64 trace
+  promotes flax's float32 carries).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import reference64, relative_error
+from helpers import reference32, relative_error, value64
 
 import jax_scaled as js
 
 RTOL = 1e-5
-FIDELITY_TOL = 2 * float(ml_dtypes.finfo(np.float16).eps)  # measured worst case: 5.3e-4
+FLOAT16_EPS = float(ml_dtypes.finfo(np.float16).eps)
+FIDELITY_TOL = 2 * FLOAT16_EPS  # measured worst case: 8.6e-4 (BatchNorm_eval)
 Apply = Callable[[Any, jax.Array], tuple[jax.Array, Any]]
 
 
@@ -44,6 +47,7 @@ def _assert_close_leaves(actual: Any, expected: Any, tol: float) -> None:
     the largest leaf (a key-bias gradient of attention: zero up to rounding) is measured
     against the largest leaf instead of its own rounding noise."""
     pairs = list(zip(_float_leaves(actual), _float_leaves(expected), strict=True))
+    assert all(np.all(np.isfinite(value64(got))) for got, _ in pairs), "non-finite output"
     magnitudes = [float(np.max(np.abs(np.asarray(want, np.float64)))) for _, want in pairs]
     largest = max(magnitudes)
     errors = [
@@ -149,6 +153,44 @@ class _RematBlock(nn.Module):
         return nn.remat(_Block)()(x, None)[0]
 
 
+class _TanhLayer(nn.Module):
+    """Dense + tanh, with the (carry, x) -> (carry, y) signature nn.scan expects."""
+
+    @nn.compact
+    def __call__(self, carry: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        return jnp.tanh(nn.Dense(carry.shape[-1])(carry)), None
+
+
+class _ScannedRemat(nn.Module):
+    """nn.scan(nn.remat(layer)): the rematerialised layer scanned 3 times."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        stack = nn.scan(
+            nn.remat(_TanhLayer), variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
+        return stack()(x, None)[0]
+
+
+class _DropoutMLP(nn.Module):
+    """Dense, gelu, Dropout(0.2) in training mode, Dense."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = nn.Dropout(0.2, deterministic=False)(nn.gelu(nn.Dense(16)(x)))
+        return nn.Dense(8)(h)
+
+
+def _linen_dropout_mlp() -> tuple[Apply, Any, jax.Array]:
+    module, x = _DropoutMLP(), _normal(0, 4, 8)
+    variables = module.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x)
+
+    def apply(variables, x):
+        return module.apply(variables, x, rngs={"dropout": jax.random.key(5)}), None
+
+    return apply, variables, x
+
+
 def _causal_attention_linen() -> tuple[Apply, Any, jax.Array]:
     x = _normal(3, 2, 5, 8)
     mask = nn.make_causal_mask(jnp.ones((2, 5)))
@@ -171,6 +213,9 @@ LINEN_CASES: dict[str, Callable[[], tuple[Apply, Any, jax.Array]]] = {
     "Dropout": _linen_dropout,
     "scan": lambda: _linen(_ScannedStack(), _normal(0, 4, 8)),
     "remat": lambda: _linen(_RematBlock(), _normal(0, 4, 8)),
+    "scan_remat": lambda: _linen(_ScannedRemat(), _normal(0, 4, 8)),
+    "Dropout_mlp": _linen_dropout_mlp,
+    "RNN_GRUCell": lambda: _linen(nn.RNN(nn.GRUCell(8)), _normal(0, 2, 6, 4)),
 }
 
 
@@ -179,24 +224,53 @@ def test_linen_invariance(name):
     check_invariance(*LINEN_CASES[name]())
 
 
+# (family, case, input scale) left out of the float16 comparison, and why: the float32
+# program's own result is that sensitive to a float16 rounding of an intermediate.
+ILL_CONDITIONED = {
+    ("linen", "MultiHeadDotProductAttention_causal", 2.0**20): "logits of magnitude 2^40 make "
+    "softmax a hard argmax: a float16 rounding of the logits (2^29) swaps near-ties",
+    ("nnx", "scan", 2.0**20): "gelu's tanh approximation at 2^20 cubes its input: the cube "
+    "spans more binades than float16 data holds under one scale, an element that flushes "
+    "to zero gets tanh(0) = 0 instead of +-1, and gelu's gradient there is ~x^3",
+}
+# Looser tolerances, with the reason.
+TOLERANCES = {
+    ("linen", "scan_remat", 2.0**20): (16 * FLOAT16_EPS, "the first tanh saturates to +-1, "
+    "the next layers' pre-activations are O(1): 1 - tanh^2 in their gradient comes from "
+    "float16's tanh, to 2^-11 absolute, tens of percent where tanh is near +-1 (measured "
+    "5e-3 to 1e-2, while float32 is within 1e-7 of float64)"),
+}
+
+
 @functools.cache
-def _float16_case(name: str) -> tuple[Callable, Callable, Any, jax.Array]:
+def _float16_case(family: str, name: str) -> tuple[Callable, Callable, Any, jax.Array]:
     """(forward_and_grad, its jit(scalify), float16 params, float16 input data), built once
     per layer: both input scales share one compilation (scales are data)."""
-    apply, params, x = LINEN_CASES[name]()
+    cases = LINEN_CASES if family == "linen" else NNX_CASES
+    apply, params, x = cases[name]()
     fn = forward_and_grad(apply, params, x)
     params16 = js.tree.astype(js.as_scaled_array(params), jnp.float16)
-    return fn, jax.jit(js.scalify(fn)), params16, x.astype(jnp.float16)
+    is_float = jnp.issubdtype(x.dtype, jnp.floating)
+    return fn, jax.jit(js.scalify(fn)), params16, x.astype(jnp.float16) if is_float else x
 
 
-@pytest.mark.parametrize("scale", [2.0**-20, 2.0**20], ids=["2^-20", "2^20"])
-@pytest.mark.parametrize("name", ["Dense", "Conv", "LayerNorm"])
-def test_linen_float16_fidelity_at_extreme_input_scales(name, scale):
-    fn, scalified, params16, data16 = _float16_case(name)
-    x16 = js.ScaledArray(data16, jnp.float32(scale))
+def _float16_params() -> list:
+    found = []
+    for family, cases in (("linen", LINEN_CASES), ("nnx", NNX_CASES)):
+        for name in cases:
+            for scale, label in ((2.0**-20, "2^-20"), (2.0**20, "2^20")):
+                if (family, name, scale) not in ILL_CONDITIONED:
+                    found.append(pytest.param(family, name, scale, id=f"{family}-{name}-{label}"))
+    return found
+
+
+def check_float16_fidelity(family: str, name: str, scale: float) -> None:
+    fn, scalified, params16, data16 = _float16_case(family, name)
+    is_float = jnp.issubdtype(data16.dtype, jnp.floating)
+    x16 = js.ScaledArray(data16, jnp.float32(scale)) if is_float else data16
     out = scalified(params16, x16)
-    assert all(v.dtype == jnp.float16 for v in _float_leaves(out))
-    _assert_close_leaves(out, reference64(fn, params16, x16), FIDELITY_TOL)
+    tol = TOLERANCES.get((family, name, scale), (FIDELITY_TOL, ""))[0]
+    _assert_close_leaves(out, reference32(fn, params16, x16), tol)
 
 
 # --- nnx: a function of the params state, the graph definition and other state closed over ---
@@ -279,3 +353,8 @@ NNX_CASES: dict[str, Callable[[], tuple[Apply, Any, jax.Array]]] = {
 @pytest.mark.parametrize("name", list(NNX_CASES))
 def test_nnx_invariance(name):
     check_invariance(*NNX_CASES[name]())
+
+
+@pytest.mark.parametrize("family, name, scale", _float16_params())
+def test_float16_fidelity_at_extreme_input_scales(family, name, scale):
+    check_float16_fidelity(family, name, scale)

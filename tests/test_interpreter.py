@@ -242,3 +242,42 @@ def test_python_float_literal_carry_is_promoted():
     out = jax.jit(js.scalify(cube))(js.scaled_array(jnp.float16(1.5), 2.0**-20))
     assert out.dtype == jnp.float16 and float(out.scale) == 2.0**-60
     assert float(out.data) == 1.5**3
+
+
+def test_run_time_zero_scalar_takes_the_smallest_scale():
+    """prodigy's first step: a vdot with a zero parameter difference is 0 at the scale of its
+    estimate; the max with its running estimate then took that scale (2^40 here) and left the
+    estimate's float16 data subnormal. A one-element zero gets the smallest scale instead."""
+
+    def running_max(estimate, g, difference):
+        return jnp.maximum(estimate, jnp.vdot(g, difference) * 2.0**40)
+
+    estimate = js.scaled_array(jnp.float16(1.0), 2.0**-20)
+    g = js.as_scaled_array(jnp.ones(8, jnp.float16))
+    zero = js.ScaledArray(jnp.zeros(8, jnp.float16), jnp.float32(1.0))
+    out = jax.jit(js.scalify(running_max))(estimate, g, zero)
+    assert float(out.scale) == 2.0**-20 and float(out.data) == 1.0
+
+
+def test_scalar_zero_inputs_take_the_smallest_scale():
+    """An ``inject_hyperparams`` state holds ``eps_root = 0.0``; split at scale 1 it would set
+    the scale of ``nu + eps_root`` and flush ``nu``'s float16 data."""
+    nu = js.ScaledArray(jnp.full(4, 1.0, jnp.float16), jnp.float32(2.0**-40))
+    eps_root = js.as_scaled_array(jnp.float16(0.0))
+    assert float(eps_root.scale) == 2.0**-126
+    at_scale_one = js.ScaledArray(eps_root.data, jnp.float32(1.0))  # a zero built by hand
+    out = jax.jit(js.scalify(lambda nu, e: jnp.sqrt(nu + e)))(nu, at_scale_one)
+    np.testing.assert_allclose(np.asarray(js.asarray(out, jnp.float32)) * 2.0**20, 1.0)
+
+
+def test_product_with_a_constant_zero_is_scale_free():
+    """dpsgd adds ``noise_multiplier * noise`` with noise_multiplier 0: that zero must take
+    the gradient's scale, not the noise's estimate of 1."""
+
+    def add_noise(g, key):
+        return g + 0.0 * jax.random.normal(key, g.shape, g.dtype)
+
+    g = js.ScaledArray(jnp.array([1.0, -1.5], jnp.float16), jnp.float32(2.0**-24))
+    out = jax.jit(js.scalify(add_noise))(g, jax.random.key(0))
+    assert float(out.scale) == 2.0**-24
+    np.testing.assert_array_equal(out.data, g.data)

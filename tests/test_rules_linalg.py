@@ -2,14 +2,18 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
     FLOAT_DTYPES,
+    assert_close,
     assert_static_or_guarded_scale,
     check_e8m0_matches,
     check_scaled,
+    float32_values,
+    reference64,
     scaled_arrays,
 )
 from hypothesis import given, settings
@@ -242,3 +246,45 @@ def test_scaled_dot_keeps_block_scales_with_the_data(data):
     args = [lhs, rhs, lhs_blocks.reshape(m, k // block), rhs_blocks]
     out = check_scaled(fn, args, jnp.float32, ulps=_ulps(k), normwise=True)
     assert float(out.scale) == float(lhs.scale) * float(rhs.scale) * 2.0**-7 * _pow2_sqrt(k)
+
+
+# Dot algorithms XLA:CPU refuses ("The precision 'F16_F16_F32' is not supported by
+# dot_general on CPU"): under scalify the rule widens the operands on CPU instead.
+PRESETS = {
+    "F16_F16_F32": (jnp.float16, jnp.float32),
+    "BF16_BF16_BF16": (jnp.bfloat16, jnp.bfloat16),
+    "F16_F16_F16": (jnp.float16, jnp.float16),
+    "TF32_TF32_F32": (jnp.float32, jnp.float32),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@few
+@given(data=st.data())
+def test_dot_general_with_a_dot_algorithm_preset(preset, data):
+    dtype, out_dtype = PRESETS[preset]
+    x_shape, y_shape, dn = _dot_case(data, data.draw(st.sampled_from(["matmul", "batch_moved"])))
+    x = data.draw(scaled_arrays(x_shape, dtype))
+    y = data.draw(scaled_arrays(y_shape, dtype))
+    algorithm = getattr(lax.DotAlgorithmPreset, preset)
+
+    def fn(x, y):
+        return lax.dot_general(x, y, dn, precision=algorithm, preferred_element_type=out_dtype)
+
+    out = jax.jit(js.scalify(fn))(x, y)
+    assert out.dtype == out_dtype
+    # The float64 reference without the algorithm (which XLA:CPU refuses in float64 too).
+    expected = reference64(lambda x, y: lax.dot_general(x, y, dn), x, y)
+    k = _contraction_size(x_shape, dn)
+    assert_close(out, expected, out_dtype, ulps=_ulps(k), normwise=True)
+
+
+def test_float16_attention_runs_on_cpu_under_scalify():
+    """jax.nn.dot_product_attention asks for F16_F16_F32 with float16 inputs."""
+    q = jax.random.normal(jax.random.key(0), (2, 5, 2, 8)).astype(jnp.float16)
+    for scale in (2.0**-20, 2.0**20):
+        qkv = [js.ScaledArray(q, jnp.float32(scale)) for _ in range(3)]
+        out = jax.jit(js.scalify(jax.nn.dot_product_attention))(*qkv)
+        expected = reference64(jax.nn.dot_product_attention, *float32_values(qkv))
+        assert out.dtype == jnp.float16
+        assert_close(out, expected, jnp.float16, ulps=8, normwise=True)

@@ -36,8 +36,7 @@ Example:
 Plain optax also runs on a state cast once (``js.tree.astype(js.as_scaled_array(opt.init(
 params)), jnp.float16)``, as in the README), but the state then only keeps the dtypes optax's
 arithmetic gives it: with float32 gradients Adam's first moment comes back float32 after one
-step, the ``eps`` added to the float16 second moment's root is traced in float16 (``1e-8``
-becomes 0: a gradient that is exactly zero then gives NaN), and nothing re-centres the data.
+step, and nothing re-centres the data.
 :func:`scaled_state` computes in float32 data, stores in ``dtype`` and rescales.
 """
 

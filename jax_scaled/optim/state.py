@@ -67,9 +67,8 @@ def scaled_state(
             (the scalify paper's FP16-state experiment rescales gradients this way).
         compute_dtype: the data dtype the inner update computes in (default float32, as a
             fused kernel would in registers; only storage is narrow), or ``None`` to compute in
-            the stored dtype, as plain optax on a cast state does. Optax's constants then
-            become ``dtype`` values too: Adam's default ``eps=1e-8`` is 0 in float16, and a
-            gradient that is exactly zero gives ``0/0 = NaN``; pass a representable ``eps``.
+            the stored dtype, as plain optax on a cast state does (optax's constants, such
+            as Adam's ``eps=1e-8``, keep their values: see :mod:`jax_scaled.constants`).
         scale_dtype: dtype of the state's scales: float32 (default) or ``jnp.float8_e8m0fnu``.
 
     Returns:

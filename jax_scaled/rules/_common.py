@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
+from jax_scaled import dtypes
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.memo import memoized
@@ -46,7 +47,7 @@ Value = Any  # jax.Array | ScaledArray
 
 def compute_dtype(dtype) -> jnp.dtype:
     """The dtype rules compute in for data of ``dtype``: float32, or wider if ``dtype`` is."""
-    return jnp.promote_types(jnp.dtype(dtype), jnp.float32)
+    return dtypes.compute_dtype(dtype)
 
 
 def scale_f32(x: Value) -> jax.Array:
@@ -223,6 +224,20 @@ def max_scale(scales: list[jax.Array]) -> jax.Array:
     return out
 
 
+def min_scale(a: jax.Array, b: jax.Array) -> jax.Array:
+    """The smaller of two 0-d scales; static when both are.
+
+    Example:
+        >>> min_scale(np.float32(0.5), np.float32(4.0))
+        np.float32(0.5)
+    """
+    if a is b:
+        return a
+    if is_static(a) and is_static(b):
+        return np.minimum(np.float32(a), np.float32(b))
+    return lax.min(as_float32(a), as_float32(b))
+
+
 def to_compute(x: Value) -> jax.Array:
     """The represented value ``data * scale`` in the compute dtype (float32 for narrow data)."""
     x = as_scaled(x)
@@ -288,15 +303,20 @@ def guard_band(dtype) -> tuple[int, int, int] | None:
 
     Example:
         >>> guard_band(jnp.float16), guard_band(jnp.float8_e4m3fn), guard_band(jnp.float32)
-        ((-8, 12, 3), (-3, 7, 6), None)
+        ((-8, 7, 3), (-3, 7, 6), None)
     """
     info = jnp.finfo(dtype)
     if not current_config().guard or info.maxexp > 64 or info.bits < 8:
         return None  # wide formats need no guard; sub-byte ones have no room for a band
-    # 16-bit data may meet another multiplication: keep it near unit scale. 8-bit data goes
-    # into a matmul: use the top of its few bits of range, leaving one binade of headroom.
-    target = (info.maxexp - 1) // 4 if info.bits > 8 else info.maxexp - 3
-    high = max(info.maxexp - 4, target + 1)
+    # 16-bit data may meet another multiplication: keep it near unit scale, and below the
+    # square root of its largest value, so that the product of two guarded data (x * x**2
+    # in a gelu's gradient) cannot overflow. 8-bit data goes into a matmul: use the top of its
+    # few bits of range, leaving one binade of headroom.
+    if info.bits > 8:
+        target, high = (info.maxexp - 1) // 4, info.maxexp // 2 - 1
+    else:
+        target = info.maxexp - 3
+        high = max(info.maxexp - 4, target + 1)
     low = min(info.minexp + (info.maxexp - info.minexp) // 5, target)
     return low, high, target
 
@@ -313,13 +333,50 @@ def sums_guarded(dtype) -> bool:
     return current_config().guard_sums and guard_band(dtype) is not None
 
 
+# Loop carries with float32 (or wider) data: no rule guards them, and a static estimate that
+# is off by a factor compounds over the iterations (a polynomial iteration such as muon's
+# Newton-Schulz one drifts by 2^(3^n)). Keep their largest datum within 2^+-8 of 1: a
+# fifth power of the carry inside one iteration (muon) then stays in float32's range.
+WIDE_CARRY_BAND = (-8, 8, 0)
+
+
+def carry_band(dtype) -> tuple[int, int, int] | None:
+    """The guard band of a loop carry's data: :data:`WIDE_CARRY_BAND` for float32 and wider
+    (the narrow formats' rules guard their own outputs); None otherwise or with the guard off.
+
+    Example:
+        >>> carry_band(jnp.float32), carry_band(jnp.float16)
+        ((-8, 8, 0), None)
+    """
+    if not current_config().guard or jnp.finfo(dtype).maxexp <= 64:
+        return None
+    return WIDE_CARRY_BAND
+
+
+def recentred_carry(x: ScaledArray) -> ScaledArray:
+    """A loop carry with its float32 data brought back near unit scale when its largest
+    datum left :func:`carry_band` (the same value: the shift moves into the scale).
+
+    Example:
+        >>> x = recentred_carry(ScaledArray(jnp.array([2.0**40, 1.0]), jnp.float32(1.0)))
+        >>> x.data.tolist(), float(x.scale) == 2.0**40
+        ([1.0, 9.094947017729282e-13], True)
+    """
+    band = carry_band(x.data.dtype)
+    if band is None or x.data.size == 0:
+        return x
+    down, up = guard_factors(x.data, x.data.dtype, band=band)
+    data = lax.convert_element_type(times_scalar(x.data, down), x.data.dtype)
+    return ScaledArray(data, make_scale(scale_mul(scale_f32(x), up), x))
+
+
 def guard_factors(
-    wide: jax.Array, dtype, divisor_exponent: int = 0
+    wide: jax.Array, dtype, divisor_exponent: int = 0, band: tuple[int, int, int] | None = None
 ) -> tuple[jax.Array, jax.Array] | None:
     """``(down, up)``, two float32 powers of two with ``down * up == 2^-divisor_exponent``,
     that range-guard ``wide / 2^divisor_exponent`` for a cast to the narrow ``dtype``
-    (:func:`guard_band`): the data becomes ``wide * down`` and its scale ``scale * up``.
-    None where no guard applies.
+    (:func:`guard_band`, or the ``band`` given): the data becomes ``wide * down`` and its
+    scale ``scale * up``. None where no guard applies.
 
     When the largest datum ``2^e`` of ``wide / 2^divisor_exponent`` leaves the band, ``e``
     is moved to the band's target; otherwise, and for data that is all zero or holds an
@@ -334,7 +391,7 @@ def guard_factors(
         >>> float(down), float(up)
         (6.103515625e-05, 16384.0)
     """
-    band = guard_band(dtype)
+    band = guard_band(dtype) if band is None else band
     if band is None or wide.size == 0:
         return None
     low, high, target = (e + divisor_exponent for e in band)

@@ -10,6 +10,9 @@ program keeps its structure, only the representation of its values changes.
   carry into a ScaledArray, the initial value is promoted and the body interpreted again (a
   fixed point, usually reached at once). A scaled carry that the body returns plain is
   promoted inside the body. Constants keep their static facts in the body; carries do not.
+  A carry with float32 data leaves each iteration with its largest datum within ``2^+-8``
+  of 1 (:func:`~jax_scaled.rules._common.recentred_carry`): no rule guards float32 data,
+  and an estimate that is off compounds over the iterations.
 * **Stacked outputs** (``ys`` of scan): a loop-invariant scale (that of a constant or of
   ``xs``, kept by the body) is returned as is. Otherwise each iteration's scale is stacked and
   the result is brought to the largest one (one rescale of the stacked data). A later scan
@@ -55,7 +58,7 @@ from jax_scaled.interpreter import (
 )
 from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_ratio
 from jax_scaled.promotion import promote
-from jax_scaled.rules._common import is_static, rescale
+from jax_scaled.rules._common import is_static, recentred_carry, rescale
 
 Value = Any  # jax.Array | ScaledArray
 Signature = Any  # the scale dtype of a ScaledArray, or None for a plain value
@@ -201,7 +204,8 @@ def _conform_carries(carry_in: Sequence[Value], out: Sequence[Slot], token: obje
     wanted = [_join(c, _signature(o.value)) for c, o in zip(current, out, strict=True)]
     if wanted != current:
         raise _Mismatch(token, wanted)
-    return [_conform(o, sig) for o, sig in zip(out, current, strict=True)]
+    conformed = [_conform(o, sig) for o, sig in zip(out, current, strict=True)]
+    return [recentred_carry(v) if isinstance(v, ScaledArray) else v for v in conformed]
 
 
 # ---------------------------------------------------------------------------------------

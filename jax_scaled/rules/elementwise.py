@@ -33,6 +33,7 @@ from jax_scaled.rules._common import (
     largest_biased_exponent,
     make_scale,
     max_scale,
+    min_scale,
     rounded_l2_scale,
     scale_f32,
     scale_mul,
@@ -174,9 +175,14 @@ def align_selection(*xs: Value) -> tuple[list[jax.Array], jax.Array]:
     if not any(_has_static_scale(x) for x in xs) or all(_has_static_scale(x) for x in xs):
         return align(*xs)
     traced = max_scale([scale_f32(x) for x in xs if not _has_static_scale(x)])
-    floor = max(float(x.scale) / _headroom(x.dtype) for x in xs if _has_static_scale(x))
+    constants = [x for x in xs if _has_static_scale(x)]
+    floor = max(float(x.scale) / _headroom(x.dtype) for x in constants)
     floor = max(floor, 2.0**MIN_SCALE_EXPONENT)
-    return align(*xs, scale=lax.max(traced, np.float32(floor)))
+    # Traced operands at scale 0 (zeros whose scale underflowed, such as a decayed moment
+    # initialised at the smallest scale) hold no magnitude: the constants' own scale then.
+    own = np.float32(max(float(x.scale) for x in constants))
+    scale = lax.select(lax.gt(traced, np.float32(0)), lax.max(traced, np.float32(floor)), own)
+    return align(*xs, scale=scale)
 
 
 def _aligned(primitive, *xs: Value, **params) -> ScaledArray:
@@ -365,9 +371,10 @@ def round_rule(x: ScaledArray, **params) -> ScaledArray:
 
 @register_scale_rule(lax.rem_p)
 def rem_rule(x: Value, y: Value, **params) -> ScaledArray:
-    """Scale of y (|rem(x, y)| < |y|); fmod of the values in float32 (exact), rounded once."""
+    """The smaller of the two scales (``|rem(x, y)| <= min(|x|, |y|)``: ``x`` itself when
+    ``|x| < |y|``); fmod of the values in float32 (exact), rounded once."""
     value = lax.rem_p.bind(to_compute(x), to_compute(y), **params)
-    return from_compute(value, scale_f32(y), x.dtype, x, y)
+    return from_compute(value, min_scale(scale_f32(x), scale_f32(y)), x.dtype, x, y)
 
 
 # ---------------------------------------------------------------------------------------

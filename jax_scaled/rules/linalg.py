@@ -16,6 +16,7 @@ from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
+from jax_scaled.dtypes import compute_dtype
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules._common import (
     Value,
@@ -50,6 +51,31 @@ def _contract(
     return guarded(out, scale, out_dtype, x, y, divisor=sqrt_k)
 
 
+def _bind_contraction(primitive: jxi.Primitive, a: jax.Array, b: jax.Array, **params) -> jax.Array:
+    """``primitive`` bound on ``a`` and ``b``; where ``precision`` names a dot algorithm
+    (``lax.DotAlgorithmPreset``, such as the ``F16_F16_F32`` of ``jax.nn.dot_product_attention``
+    and flax attention), XLA:CPU supports only a few: on CPU the operands are widened to
+    float32 (exact for narrower floats) and contracted at default precision, which is at least
+    as accurate, into the requested output dtype. Other platforms get the algorithm as asked.
+    """
+    if not isinstance(params.get("precision"), lax.DotAlgorithmPreset | lax.DotAlgorithm):
+        return primitive.bind(a, b, **params)
+
+    def widened(a: jax.Array, b: jax.Array) -> jax.Array:
+        wide = {**params, "precision": None}
+        if wide["preferred_element_type"] is None:
+            wide["preferred_element_type"] = jnp.result_type(a.dtype, b.dtype)
+        return primitive.bind(_widened(a), _widened(b), **wide)
+
+    return lax.platform_dependent(
+        a, b, cpu=widened, default=lambda a, b: primitive.bind(a, b, **params)
+    )
+
+
+def _widened(x: jax.Array) -> jax.Array:
+    return lax.convert_element_type(x, compute_dtype(x.dtype))
+
+
 @register_scale_rule(lax.dot_general_p)
 def dot_general_rule(x: Value, y: Value, *, dimension_numbers, **params) -> ScaledArray:
     """Scale ``sx * sy * sqrt(K)``, K the contraction size; data dot of the data / sqrt(K)."""
@@ -58,9 +84,10 @@ def dot_general_rule(x: Value, y: Value, *, dimension_numbers, **params) -> Scal
     out_dtype = params.pop("preferred_element_type", None)
 
     def contract(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-        return lax.dot_general_p.bind(
-            a, b, dimension_numbers=dimension_numbers, preferred_element_type=dtype, **params
-        )
+        return _bind_contraction(
+            lax.dot_general_p, a, b,
+            dimension_numbers=dimension_numbers, preferred_element_type=dtype, **params,
+        )  # fmt: skip
 
     return _contract(x, y, size, contract, out_dtype)
 
@@ -74,9 +101,10 @@ def conv_general_dilated_rule(
     out_dtype = params.pop("preferred_element_type", None)
 
     def contract(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-        return lax.conv_general_dilated_p.bind(
-            a, b, dimension_numbers=dimension_numbers, preferred_element_type=dtype, **params
-        )
+        return _bind_contraction(
+            lax.conv_general_dilated_p, a, b,
+            dimension_numbers=dimension_numbers, preferred_element_type=dtype, **params,
+        )  # fmt: skip
 
     return _contract(lhs, rhs, size, contract, out_dtype)
 

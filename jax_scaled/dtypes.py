@@ -1,0 +1,34 @@
+"""Float formats: which are narrower than float32, and the dtype to compute them in.
+
+``jnp.promote_types(float8, float32)`` raises in JAX (8-bit floats take no implicit
+promotion), so the library widens with :func:`compute_dtype` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+
+def is_narrow_float(dtype: Any) -> bool:
+    """True for floating dtypes narrower than float32 (float16, bfloat16, float8, float4).
+
+    Example:
+        >>> is_narrow_float(jnp.float16), is_narrow_float(jnp.float32), is_narrow_float(jnp.int8)
+        (True, False, False)
+    """
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
+
+
+def compute_dtype(dtype: Any) -> Any:
+    """The dtype to compute on data of ``dtype`` in: float32 for narrower floats, the dtype
+    itself otherwise (float32, float64, integers, PRNG keys).
+
+    Example:
+        >>> compute_dtype(jnp.float8_e4m3fn), compute_dtype(jnp.float64)
+        (dtype('float32'), dtype('float64'))
+    """
+    if is_narrow_float(dtype):
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype) if jnp.issubdtype(dtype, jnp.number) else dtype

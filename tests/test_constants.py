@@ -1,0 +1,161 @@
+"""Constants that a narrow trace rounds away (``eps=1e-8`` in float16) are recovered.
+
+JAX gives a Python number the dtype of the array it meets while it traces: in a float16
+program ``1e-8`` becomes ``0.0`` and ``1e5`` becomes ``inf``. scalify traces the function a
+second time on float32 inputs and takes those constants' values from there
+(:mod:`jax_scaled.constants`). These tests check the values against a float64 reference of
+the program as written, at random power-of-two input scales, in every narrow float format.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close, reference64, scaled_arrays, value64
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax_scaled as js
+from jax_scaled import constants
+
+# bfloat16 has float32's exponent range: no constant that float32 holds is rounded away there.
+NARROW = [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+@st.composite
+def rounded_away_constants(draw, dtype) -> float:
+    """A constant below the smallest subnormal of ``dtype`` (or above its largest value), such
+    that its square stays within float32's range (scales are float32)."""
+    info = jnp.finfo(dtype)
+    tiny_exponent = int(np.log2(float(info.smallest_subnormal))) - 1
+    huge_exponent = int(np.log2(float(info.max))) + 2
+    exponent = draw(
+        st.one_of(st.integers(-60, tiny_exponent), st.integers(huge_exponent, huge_exponent + 30))
+    )
+    mantissa = draw(st.sampled_from([1.0, 1.25, 1.5, -1.75, 1.1]))
+    return mantissa * 2.0**exponent
+
+
+PROGRAMS = {
+    "add": lambda x, c: x + c,
+    "mul": lambda x, c: x * c,
+    "div": lambda x, c: x / c,
+    "sqrt_plus_eps": lambda x, c: jnp.sqrt(jnp.abs(x)) + abs(c),
+    "maximum": lambda x, c: jnp.maximum(jnp.abs(x), abs(c)),
+    "where": lambda x, c: jnp.where(x > 0, x, c),
+    "full_like": lambda x, c: x * 0.5 + jnp.full_like(x, c),
+    "folded": lambda x, c: x + c * c / c,
+}
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_rounded_away_constants_keep_their_value(name, dtype, data):
+    constant = data.draw(rounded_away_constants(dtype))
+    # The input at the constant's magnitude: where the constant matters to the result.
+    exponent = int(np.floor(np.log2(abs(constant))))
+    x = data.draw(scaled_arrays((6,), dtype, min_exp=exponent - 2, max_exp=exponent + 2))
+
+    def fn(x):
+        return PROGRAMS[name](x, constant)
+
+    out = jax.jit(js.scalify(fn))(x)
+    expected = reference64(fn, x)
+    assert np.all(np.isfinite(value64(out)))
+    assert_close(out, expected, dtype, ulps=8, normwise=True)
+
+
+def test_eps_below_float16_range_changes_adam_like_update():
+    """``g / (sqrt(v) + 1e-8)`` at gradient scale 2^-20: eps is 6% of sqrt(v), and float16
+    rounds it to 0 (the raw trace computes another function)."""
+
+    def update(g, v):
+        return g / (jnp.sqrt(v) + 1e-8)
+
+    g = js.ScaledArray(jnp.full((4,), 1.0, jnp.float16), jnp.float32(2.0**-24))
+    v = js.ScaledArray(jnp.full((4,), 1.0, jnp.float16), jnp.float32(2.0**-48))
+    out = js.asarray(jax.jit(js.scalify(update))(g, v), jnp.float32)
+    expected = 2.0**-24 / (2.0**-24 + 1e-8)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-3)
+    assert abs(expected - 1.0) > 0.05
+
+
+def test_genuine_zeros_stay_zero():
+    """A ReLU's 0 is 0 in the float32 trace too: nothing changes."""
+    x = js.ScaledArray(jnp.array([-1.0, 2.0], jnp.float16), jnp.float32(2.0**-20))
+    out = jax.jit(js.scalify(jax.nn.relu))(x)
+    np.testing.assert_array_equal(value64(out), [0.0, 2.0**-19])
+
+
+def test_float32_programs_are_traced_once():
+    traces = []
+
+    def fn(x):
+        traces.append(x.dtype)
+        return x + 1e-30
+
+    js.scalify(fn)(js.as_scaled_array(jnp.ones(2, jnp.float32)))
+    assert traces == [jnp.float32]
+    js.scalify(fn)(js.as_scaled_array(jnp.ones(2, jnp.float16)))
+    assert traces[1:] == [jnp.float16, jnp.float32]  # the narrow program, then its float32 twin
+
+
+def test_programs_without_rounded_constants_are_traced_once():
+    traces = []
+
+    def fn(x):
+        traces.append(x.dtype)
+        return x * 2.0 + 1.0
+
+    js.scalify(fn)(js.as_scaled_array(jnp.ones(2, jnp.float16)))
+    assert traces == [jnp.float16]
+
+
+def test_typed_keys_and_integer_inputs_are_left_alone():
+    def fn(x, key, n):
+        return x * jax.random.uniform(key, x.shape, x.dtype) + n.astype(x.dtype) * 1e-9
+
+    x = js.as_scaled_array(jnp.ones(3, jnp.float16))
+    out = jax.jit(js.scalify(fn))(x, jax.random.key(0), jnp.int32(1))
+    assert np.all(np.isfinite(value64(out)))
+
+
+def test_unmatched_constant_warns_with_its_source_line():
+    """A program whose float32 trace has another structure: its constant cannot be checked."""
+
+    def fn(x):
+        if x.dtype == jnp.float16:
+            x = jnp.sin(x)  # only in the narrow program: the equations do not line up
+            return jnp.exp(x) + 1e-9
+        return jnp.cos(x)
+
+    x = js.as_scaled_array(jnp.ones(3, jnp.float16))
+    with pytest.warns(constants.ConstantPrecisionWarning, match="test_constants.py"):
+        js.scalify(fn)(x)
+
+
+def test_matched_program_does_not_warn():
+    x = js.as_scaled_array(jnp.ones(3, jnp.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", constants.ConstantPrecisionWarning)
+        js.scalify(lambda x: jnp.maximum(x, 0.0) + 1e-9)(x)
+
+
+def test_constant_cast_into_narrow_dtype_keeps_its_range():
+    """``jnp.where(m, x, 1e-8)`` passes 1e-8 as a float32 operand of a nested jit that casts
+    it to float16 (0 there): the cast of a constant keeps its exponent under scalify."""
+    x = js.ScaledArray(jnp.array([1.0, -1.0], jnp.float16), jnp.float32(2.0**-27))
+    out = jax.jit(js.scalify(lambda x: jnp.where(x > 0, x, 1e-8)))(x)
+    np.testing.assert_allclose(value64(out), [2.0**-27, 1e-8], rtol=1e-3)
+
+
+def test_rounded_to_precision_keeps_the_exponent():
+    assert constants.rounded_to_precision(1e-8, jnp.float16) == pytest.approx(1e-8, rel=1e-3)
+    assert constants.rounded_to_precision(1e6, jnp.float16) == pytest.approx(1e6, rel=1e-3)
+    assert constants.rounded_to_precision(0.1, jnp.float16) == float(np.float16(0.1))
