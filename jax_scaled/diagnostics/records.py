@@ -1,18 +1,7 @@
-"""Where do scales drift? Record the data statistics of every scaled value scalify computes.
+"""Recording: a :class:`ScaleRecord` of the data statistics of every scaled value scalify computes.
 
-Static scale propagation keeps a tensor's *data* near unit magnitude only as long as the
-unit-scaling estimates of the rules hold. When they do not (correlated sums, saturated
-activations, weights far from their initial scale), the data drifts towards the edges of its
-format: it overflows, or underflows into subnormals and zeros. :func:`record_scales` shows
-where, equation by equation, forward and backward:
-
-Example:
-    >>> import jax, jax.numpy as jnp, jax_scaled as js
-    >>> x = js.as_scaled_array(jnp.full((4, 64), 3.0, jnp.float16))
-    >>> with js.diagnostics.record_scales() as records:
-    ...     _ = js.scalify(lambda x: jnp.sum(x, axis=1) * x[:, 0])(x)
-    >>> [(r.primitive, r.max_abs) for r in records if r.primitive in ("reduce_sum", "mul")]
-    [('reduce_sum', 12.0), ('mul', 18.0)]
+The interpreter asks :func:`is_recording` after each scale rule it applies and, inside
+:func:`record_scales`, hands the rule's outputs to :func:`observe`.
 """
 
 from __future__ import annotations
@@ -20,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,6 +32,11 @@ class ScaleRecord:
     elements that are exactly zero or below the dtype's smallest normal number; ``nans``
     counts the NaNs among the non-finite ones. ``where`` is
     the JAX name stack: ``transpose(jvp(...))`` marks the backward pass.
+
+    Example:
+        >>> r = ScaleRecord(0, "mul", "f.py:3:4 (f)", "", (4,), "float16", 0.25, 2.0, 1.0, 0, 0, 0)
+        >>> r.rms_bits, r.value_rms, r.backward, r.location.short
+        (0.0, 0.25, False, 'f.py:3')
     """
 
     index: int
@@ -77,6 +73,61 @@ class ScaleRecord:
         """log2 of the data's rms: 0 when perfectly unit-scaled, -inf when all zero."""
         return math.log2(self.rms) if self.rms > 0 else -math.inf
 
+    @property
+    def value_rms(self) -> float:
+        """The rms of the represented value: data rms times scale."""
+        return self.rms * self.scale
+
+    @property
+    def value_max_abs(self) -> float:
+        """The largest finite magnitude of the represented value: data max times scale."""
+        return self.max_abs * self.scale
+
+    @property
+    def value_rms_bits(self) -> float:
+        """log2 of the value's rms (``rms_bits + log2(scale)``), -inf when zero."""
+        return math.log2(self.value_rms) if self.value_rms > 0 else -math.inf
+
+    @property
+    def location(self) -> SourceLocation:
+        """``source`` parsed into file, line and function."""
+        return SourceLocation.parse(self.source)
+
+
+_SOURCE_PATTERN = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?::\d+)?(?: \((?P<function>.*)\))?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceLocation:
+    """A user's source line, as recorded in :attr:`ScaleRecord.source`.
+
+    ``line`` is 0 and ``file`` the whole text when the source has no ``file:line`` form
+    (e.g. ``<unknown location>``).
+
+    Example:
+        >>> from jax_scaled.diagnostics.records import SourceLocation
+        >>> SourceLocation.parse("/src/model.py:12:8 (mlp)")
+        SourceLocation(file='/src/model.py', line=12, function='mlp')
+    """
+
+    file: str
+    line: int
+    function: str
+
+    @classmethod
+    def parse(cls, source: str) -> SourceLocation:
+        match = _SOURCE_PATTERN.match(source)
+        if match is None:
+            return cls(source, 0, "")
+        return cls(match["file"], int(match["line"]), match["function"] or "")
+
+    @property
+    def short(self) -> str:
+        """``file_name:line``, without the directories (the whole text when there is no line)."""
+        if not self.line:
+            return self.file
+        return f"{os.path.basename(self.file)}:{self.line}"
+
 
 class _Recorder:
     def __init__(self) -> None:
@@ -103,6 +154,9 @@ def record_scales() -> Iterator[list[ScaleRecord]]:
     (the block waits for pending callbacks on exit). Values inside ``scan``/``while`` bodies
     are recorded once per iteration. The recorded program is slower: record a step or two.
 
+    Returns:
+        A context manager yielding the list of records, in program order once the block exits.
+
     Example:
         >>> x = js.as_scaled_array(jnp.ones((8,), jnp.float16))
         >>> with js.diagnostics.record_scales() as records:
@@ -121,7 +175,15 @@ def record_scales() -> Iterator[list[ScaleRecord]]:
 
 
 def is_recording() -> bool:
-    """True inside :func:`record_scales` (the interpreter then calls :func:`observe`)."""
+    """True inside :func:`record_scales` (the interpreter then calls :func:`observe`).
+
+    Returns:
+        Whether a :func:`record_scales` block is active in this thread.
+
+    Example:
+        >>> js.diagnostics.is_recording()
+        False
+    """
     return bool(_recorders.items)
 
 
@@ -129,6 +191,19 @@ def observe(primitive: str, source: str, where: str, outputs: Sequence[Any]) -> 
     """Stage the statistics of the scaled floating ``outputs`` of one equation.
 
     Called by the interpreter for each rule it applies while :func:`is_recording`.
+
+    Args:
+        primitive: the equation's primitive name.
+        source: the user's source line (``file:line:column (function)``).
+        where: the JAX name stack (``transpose(...)`` marks the backward pass).
+        outputs: the rule's outputs; plain and non-floating ones are skipped.
+
+    Example:
+        >>> x = js.as_scaled_array(jnp.ones(4, jnp.float16))
+        >>> with js.diagnostics.record_scales() as records:
+        ...     js.diagnostics.observe("mul", "f.py:1:0 (f)", "", [x])
+        >>> records[0].primitive, records[0].rms
+        ('mul', 1.0)
     """
     recorder = _recorders.items[-1]
     for out in outputs:
@@ -177,6 +252,14 @@ def worst(records: Sequence[ScaleRecord], limit: int = 20, min_size: int = 2) ->
     Records of fewer than ``min_size`` elements (scalars) are skipped: their data is a
     mantissa in ``[1, 2)`` by construction and says nothing about drift.
 
+    Args:
+        records: from :func:`record_scales`.
+        limit: how many to return.
+        min_size: the smallest number of elements a record needs to be considered.
+
+    Returns:
+        The selected records, worst first.
+
     Example:
         >>> r = ScaleRecord(0, "mul", "f.py:1", "", (4,), "float16", 1.0, 9e3, 5e3, 0, 0, 0)
         >>> [x.primitive for x in worst([r])]
@@ -189,25 +272,3 @@ def worst(records: Sequence[ScaleRecord], limit: int = 20, min_size: int = 2) ->
         return (r.nans > 0, r.nonfinite > 0, drift, r.zeros / r.size)
 
     return sorted(candidates, key=badness, reverse=True)[:limit]
-
-
-def format_records(records: Sequence[ScaleRecord]) -> str:
-    """A plain-text table of ``records`` (one line each), for printing.
-
-    Example:
-        >>> r = ScaleRecord(0, "mul", "f.py:1", "", (4,), "float16", 1.0, 2.0, 1.5, 0, 0, 0)
-        >>> print(format_records([r]).splitlines()[1].split()[:4])
-        ['fwd', 'mul', 'float16[4]', 'scale=2^0']
-    """
-    lines = ["pass primitive  value  scale  rms(bits)  max  headroom(bits)  zeros  source"]
-    for r in records:
-        shape = ",".join(map(str, r.shape))
-        exponent = f"2^{math.log2(r.scale):.0f}" if r.scale > 0 else "0"
-        lines.append(
-            f"{'bwd' if r.backward else 'fwd'} {r.primitive} {r.dtype}[{shape}] "
-            f"scale={exponent} rms={r.rms_bits:+.1f} max={r.max_abs:.3g} "
-            f"headroom={r.headroom_bits:.1f} zeros={r.zeros / max(r.size, 1):.0%}"
-            f"{' nonfinite=' + str(r.nonfinite) if r.nonfinite else ''}"
-            f"{' NaN=' + str(r.nans) if r.nans else ''} {r.source}"
-        )
-    return "\n".join(lines)
