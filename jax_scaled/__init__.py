@@ -13,7 +13,9 @@ from jax_scaled import rules as _rules  # noqa: F401  (registers the scale rules
 from jax_scaled.any_scale import ANY_SCALE
 from jax_scaled.array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from jax_scaled.config import ScalifyConfig, current_config
+from jax_scaled.constants import ConstantPrecisionWarning
 from jax_scaled.custom_scale import custom_scale
+from jax_scaled.dot_policy import ContractionSite, dot_formats, has_operand_shape
 from jax_scaled.interpreter import scalify
 from jax_scaled.pow2 import Rounding, pow2_round, pow2_split
 from jax_scaled.primitives import get_data_and_scale, rebalance, set_scaling, stop_scaling
@@ -24,6 +26,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ANY_SCALE",
+    "ConstantPrecisionWarning",
+    "ContractionSite",
     "Rounding",
     "ScaledArray",
     "ScalifyConfig",
@@ -32,7 +36,9 @@ __all__ = [
     "current_config",
     "diagnostics",
     "custom_scale",
+    "dot_formats",
     "get_data_and_scale",
+    "has_operand_shape",
     "is_scaled_leaf",
     "nn",
     "ops",

@@ -10,10 +10,12 @@ import contextlib
 import importlib
 import os
 import pkgutil
+from collections.abc import Callable, Sequence
 
 from jax._src import ad_checkpoint, source_info_util
 from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import linear_util as _lu
 from jax._src import pjit as _pjit
 from jax._src import shard_map as _shard_map
 from jax._src.interpreters import ad, batching, mlir
@@ -243,3 +245,69 @@ def _modules_under(*packages: str) -> list:
         for info in pkgutil.walk_packages(package.__path__, name + "."):
             modules.append(importlib.import_module(info.name))
     return modules
+
+
+# =======================================================================================
+# Jaxpr rewriting (jax_scaled.dot_policy): re-trace a closed jaxpr through an evaluator,
+# list and map the jaxpr-valued parameters of an equation.
+# =======================================================================================
+
+JaxprEvaluator = Callable[[Jaxpr, Sequence, Sequence], list]
+
+
+def retrace_closed_jaxpr(closed: ClosedJaxpr, evaluate: JaxprEvaluator) -> ClosedJaxpr:
+    """The closed jaxpr of ``evaluate(closed.jaxpr, closed.consts, args)``, traced on the
+    input avals of ``closed`` (same arity, dtypes, weak types and shardings)."""
+
+    def body(*args):
+        return evaluate(closed.jaxpr, closed.consts, args)
+
+    fun = _lu.wrap_init(body, debug_info=closed.jaxpr.debug_info)
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(fun, closed.in_avals)
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def eqn_subjaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
+    """The jaxprs among ``eqn``'s parameters (a jit's body, a scan's, cond's branches, ...)."""
+    return list(_core.jaxprs_in_params(eqn.params))
+
+
+def map_jaxpr_params(eqn: JaxprEqn, transform: Callable[[ClosedJaxpr], ClosedJaxpr]) -> JaxprEqn:
+    """``eqn`` with every jaxpr in its parameters replaced by ``transform`` of it.
+
+    Closed jaxprs, open ones (``remat``'s: their transform must have no constants), tuples
+    and named tuples of them (``cond``'s branches, ``custom_linear_solve``'s jaxprs), and the
+    forward of a ``custom_vjp_call`` (a thunk tracing it on demand). ``transform`` must keep
+    the input and output avals.
+    """
+    params = {name: _map_param(name, value, transform) for name, value in eqn.params.items()}
+    return eqn.replace(params=params)
+
+
+def _map_param(name: str, value, transform: Callable[[ClosedJaxpr], ClosedJaxpr]):
+    if isinstance(value, ClosedJaxpr):
+        return transform(value)
+    if isinstance(value, Jaxpr):
+        closed = transform(ClosedJaxpr(value, ()))
+        if closed.consts:
+            raise NotImplementedError("a transformed open jaxpr captured constants")
+        return closed.jaxpr
+    if isinstance(value, tuple) and any(isinstance(v, Jaxpr | ClosedJaxpr) for v in value):
+        mapped = [_map_param(name, v, transform) for v in value]
+        return type(value)(*mapped) if hasattr(value, "_fields") else tuple(mapped)
+    if name == "fwd_jaxpr_thunk":  # custom_vjp_call: (zeros) -> (jaxpr, consts) of its fwd
+        return _map_fwd_thunk(value, transform)
+    return value
+
+
+def _map_fwd_thunk(thunk, transform: Callable[[ClosedJaxpr], ClosedJaxpr]):
+    def fwd_jaxpr(*zeros):
+        closed = transform(ClosedJaxpr(*thunk.call_wrapped(*zeros)))
+        return closed.jaxpr, closed.consts
+
+    return _lu.wrap_init(fwd_jaxpr, debug_info=thunk.debug_info)
+
+
+def with_weak_type(x):
+    """``x``, same dtype and values, typed weakly (as arrays built from Python scalars are)."""
+    return _lax_impl._convert_element_type(x, x.dtype, weak_type=True)

@@ -8,6 +8,8 @@ automatic propagation through its body.
 from jax_scaled.nn.activations import elu, gelu, leaky_relu, relu, silu, softplus, swish
 from jax_scaled.nn.linear import linear
 from jax_scaled.nn.normalization import layer_norm, rms_norm
+from jax_scaled.nn.readout import linear_readout
+from jax_scaled.nn.residual import residual_add, residual_split, residual_weights
 from jax_scaled.nn.softmax import (
     dot_product_attention,
     log_softmax,
@@ -22,8 +24,12 @@ __all__ = [
     "layer_norm",
     "leaky_relu",
     "linear",
+    "linear_readout",
     "log_softmax",
     "relu",
+    "residual_add",
+    "residual_split",
+    "residual_weights",
     "rms_norm",
     "silu",
     "softmax",

@@ -8,7 +8,8 @@ choices, independently of any scaling:
 * ``x_dtype`` / ``w_dtype``: formats ``x`` and ``w`` are cast to on the forward pass
   (``cast_on_forward``; their gradients come back in their original dtypes);
 * ``grad_dtype``: format the output cotangent is cast to on the backward pass, where it is
-  an operand of both backward matmuls (the forward pass is untouched);
+  an operand of both backward matmuls (the forward pass is untouched); ``grad_rounding``
+  chooses round-to-nearest or unbiased stochastic rounding (with ``key``) for this cast;
 * ``wgrad_dtype``: format of the weight gradient the backward matmul returns;
 * ``preferred_element_type``: accumulation and output format of the forward matmul.
 
@@ -21,12 +22,15 @@ the same layer then stays accurate at any magnitude.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jax_scaled.nn.cast_contraction import CastFormats, Contraction, cast_contraction
+from jax_scaled.ops.casts import reduce_precision_on_backward
+from jax_scaled.ops.stochastic import RoundingMode, check_rounding
 
 DTypeLike = Any
 
@@ -41,6 +45,8 @@ def linear(
     grad_dtype: DTypeLike | None = None,
     wgrad_dtype: DTypeLike | None = None,
     preferred_element_type: DTypeLike | None = None,
+    grad_rounding: RoundingMode = "nearest",
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """``x @ w + b`` with the formats of an FP8 matmul chosen independently.
 
@@ -60,7 +66,10 @@ def linear(
     in ``x``'s dtype; the weight gradient is returned in ``wgrad_dtype`` (default: ``w``'s
     dtype; an 8-bit format halves its memory at the cost of its precision). The casts are
     straight-through: no further rounding of the gradients. The bias gradient is reduced
-    from the uncast cotangent.
+    from the uncast cotangent. With ``grad_rounding="stochastic"`` the cotangent's cast
+    rounds stochastically (unbiased, :mod:`jax_scaled.ops.stochastic`) with ``key``:
+    small gradient components then survive E5M2 on average instead of rounding away.
+    Split the key for every layer and step.
 
     Accumulation (``preferred_element_type``): the forward matmul accumulates in, and
     returns, this dtype. The default is the promoted dtype of ``x`` and ``w`` *before*
@@ -84,6 +93,11 @@ def linear(
             ``jnp.float8_e5m2``); None: no cast.
         wgrad_dtype: format of the weight gradient; None: ``w``'s dtype.
         preferred_element_type: accumulation and output dtype of the matmul (see above).
+        grad_rounding: rounding of the cotangent's cast to ``grad_dtype``: ``"nearest"``
+            (round to nearest even) or ``"stochastic"`` (unbiased; needs ``key`` and
+            ``grad_dtype``).
+        key: PRNG key of the stochastic gradient rounding (``jax.random.key``); unused by
+            ``"nearest"``.
 
     Returns:
         The output array, of dtype ``preferred_element_type`` (promoted with ``b``'s).
@@ -97,7 +111,12 @@ def linear(
         >>> y = js.scalify(lambda x, w: linear(x, w, **fp8))(*js.as_scaled_array((x, w)))
         >>> float(js.asarray(y)[0, 0]) * 2**20  # scaled FP8 data: exact
         32.0
+        >>> sr = dict(grad_dtype=jnp.float8_e5m2, grad_rounding="stochastic", key=jax.random.key(0))
+        >>> loss = lambda x: jnp.sum(linear(x, jnp.ones((1, 1)), **sr) * 0.3)  # cotangent 0.3
+        >>> jax.grad(loss)(jnp.ones((4, 1))).ravel()  # E5M2 neighbours 0.25, 0.3125; mean 0.3
+        Array([0.25  , 0.25  , 0.3125, 0.3125], dtype=float32)
     """
+    stochastic = check_rounding(grad_rounding, key)
     formats = _Formats(
         x=jnp.dtype(x.dtype),
         w=jnp.dtype(w.dtype),
@@ -107,10 +126,14 @@ def linear(
         wgrad=_dtype_or_none(wgrad_dtype) or jnp.dtype(w.dtype),
         accumulation=_accumulation_dtype(x, w, preferred_element_type),
     )
+    if stochastic and formats.grad is None:
+        raise ValueError("grad_rounding='stochastic' rounds the cast to grad_dtype: set it.")
     if formats.x_cast is formats.w_cast is formats.grad is None and formats.wgrad == formats.w:
         y = lax.dot_general(x, w, _forward_dims(x, w), preferred_element_type=formats.accumulation)
     else:
         y = _cast_matmul(x, w, formats)
+    if stochastic:  # the cotangent takes grad_dtype's values here; its cast is then exact
+        y = reduce_precision_on_backward(y, formats.grad, rounding="stochastic", key=key)
     return y if b is None else y + b
 
 
@@ -130,47 +153,24 @@ def _dtype_or_none(dtype: DTypeLike | None) -> jnp.dtype | None:
     return None if dtype is None else jnp.dtype(dtype)
 
 
-def _cast(x: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
-    return x if dtype is None else x.astype(dtype)
-
-
 def _forward_dims(x: jax.Array, w: jax.Array) -> tuple:
     """``x[..., K] @ w[K, ...]``."""
     return (((x.ndim - 1,), (0,)), ((), ()))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _cast_matmul(x: jax.Array, w: jax.Array, formats: _Formats) -> jax.Array:
-    return _cast_matmul_fwd(x, w, formats)[0]
-
-
-def _cast_matmul_fwd(x: jax.Array, w: jax.Array, formats: _Formats) -> tuple:
-    xq, wq = _cast(x, formats.x_cast), _cast(w, formats.w_cast)
-    dims = _forward_dims(xq, wq)
-    return lax.dot_general(xq, wq, dims, preferred_element_type=formats.accumulation), (xq, wq)
-
-
-def _cast_matmul_bwd(formats: _Formats, residuals: tuple, cotangent: jax.Array) -> tuple:
-    xq, wq = residuals
-    g = _cast(cotangent, formats.grad)
-    batch = tuple(range(xq.ndim - 1))  # the axes of x before K
-    out = tuple(range(xq.ndim - 1, g.ndim))  # the axes of g from w's output axes
-    dx = lax.dot_general(
-        g, wq, ((out, tuple(range(1, wq.ndim))), ((), ())),
-        preferred_element_type=_wide(formats.x),
-    )  # fmt: skip
-    dw = lax.dot_general(
-        xq, g, ((batch, batch), ((), ())), preferred_element_type=_wide(formats.wgrad)
+    """The cast matmul (a custom VJP) of :mod:`jax_scaled.nn.cast_contraction`, over ``x``'s
+    last axis and ``w``'s first."""
+    cast_formats = CastFormats(
+        lhs=formats.x_cast,
+        rhs=formats.w_cast,
+        grad=formats.grad,
+        lhs_grad=formats.x,
+        rhs_grad=formats.wgrad,
+        accumulation=formats.accumulation,
+        output=formats.accumulation,
     )
-    return dx.astype(formats.x), dw.astype(formats.wgrad)
-
-
-_cast_matmul.defvjp(_cast_matmul_fwd, _cast_matmul_bwd)
-
-
-def _wide(dtype: jnp.dtype) -> jnp.dtype:
-    """An accumulation dtype for a gradient returned in ``dtype``: float32 for 8-bit ones."""
-    return jnp.dtype(jnp.float32) if _is_8bit_float(dtype) else dtype
+    return cast_contraction(x, w, Contraction.dot_general(_forward_dims(x, w)), cast_formats)
 
 
 def _accumulation_dtype(x: jax.Array, w: jax.Array, preferred: DTypeLike | None) -> jnp.dtype:

@@ -20,6 +20,15 @@ infinities (``float8_e5m2``, ``float8_e3m4``, ``float16``, ``bfloat16``), ``NaN`
 ``saturate=True``, values beyond the format's largest finite value (``±inf`` included) are
 first clipped to it, so nothing overflows (NaN stays NaN).
 
+**Stochastic rounding.** Every function takes ``rounding="nearest"`` (the default: the cast
+above, unchanged) or ``rounding="stochastic"`` with a PRNG ``key``: ``x`` then rounds to one
+of its two neighbouring values of the format, the upper one with probability proportional
+to the distance from the lower one, so that the rounding is unbiased (its mean is ``x``),
+subnormals included (:mod:`jax_scaled.ops.stochastic`). Saturation and overflow follow the
+format's conventions as above. The result is deterministic for a given key: split the key
+for every call (and every step) whose rounding must be independent. The key is not used by
+round-to-nearest.
+
 ``jax.lax.reduce_precision`` with the format's exponent and mantissa bits is **not** used:
 it emulates an IEEE-style format, which differs from these formats in measurable ways
 (XLA CPU, JAX 0.10): it flushes the format's subnormals to zero (``1e-5`` in E5M2 gives 0,
@@ -52,11 +61,19 @@ import functools
 import jax
 from jax import lax
 
+from jax_scaled.ops.stochastic import RoundingMode, check_rounding, stochastic_round
 from jax_scaled.rules import casts as cast_rules
 from jax_scaled.rules.casts import DTypeLike, float_dtype
 
 
-def cast_on_forward(x: jax.Array, dtype: DTypeLike, *, saturate: bool = False) -> jax.Array:
+def cast_on_forward(
+    x: jax.Array,
+    dtype: DTypeLike,
+    *,
+    saturate: bool = False,
+    rounding: RoundingMode = "nearest",
+    key: jax.Array | None = None,
+) -> jax.Array:
     """Cast ``x`` to ``dtype`` on the forward pass; the backward pass does not round.
 
     The result has dtype ``dtype``. Its cotangent (of dtype ``dtype``, as JAX types it) is
@@ -68,6 +85,13 @@ def cast_on_forward(x: jax.Array, dtype: DTypeLike, *, saturate: bool = False) -
         dtype: the format to cast to, e.g. ``jnp.float8_e4m3fn``.
         saturate: clip values beyond the format's largest finite value to it first (else
             they overflow to ``inf`` or ``NaN``, as the format defines).
+        rounding: ``"nearest"`` (round to nearest even) or ``"stochastic"`` (unbiased
+            stochastic rounding, which needs ``key``).
+        key: the PRNG key of stochastic rounding (``jax.random.key``); unused by
+            ``"nearest"``.
+
+    Returns:
+        ``x`` cast to ``dtype``.
 
     Example:
         >>> from jax_scaled.ops import cast_on_forward
@@ -75,12 +99,22 @@ def cast_on_forward(x: jax.Array, dtype: DTypeLike, *, saturate: bool = False) -
         Array([1.125, 448], dtype=float8_e4m3fn)
         >>> jax.grad(lambda x: cast_on_forward(x, jnp.float16).astype(float))(1 / 3)
         Array(1., dtype=float32, weak_type=True)
+        >>> x = jnp.full(6, 1.1)  # E4M3 neighbours 1 and 1.125: 1.125 with probability 0.8
+        >>> cast_on_forward(x, jnp.float8_e4m3fn, rounding="stochastic", key=jax.random.key(0))
+        Array([1, 1, 1.125, 1.125, 1.125, 1.125], dtype=float8_e4m3fn)
     """
+    if check_rounding(rounding, key):
+        return _stochastic_on_forward(x, key, float_dtype(dtype), saturate, False)
     return _quantize_on_forward(x, float_dtype(dtype), saturate, False)
 
 
 def reduce_precision_on_forward(
-    x: jax.Array, dtype: DTypeLike, *, saturate: bool = False
+    x: jax.Array,
+    dtype: DTypeLike,
+    *,
+    saturate: bool = False,
+    rounding: RoundingMode = "nearest",
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """Round ``x`` to the values of ``dtype`` on the forward pass; the dtype of ``x`` is kept.
 
@@ -92,6 +126,11 @@ def reduce_precision_on_forward(
         x: a floating-point array (or ScaledArray under scalify).
         dtype: the format whose values to round to, e.g. ``jnp.float8_e4m3fn``.
         saturate: clip values beyond the format's largest finite value to it first.
+        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, needs ``key``).
+        key: the PRNG key of stochastic rounding; unused by ``"nearest"``.
+
+    Returns:
+        ``x`` rounded to the values of ``dtype``, in ``x``'s dtype.
 
     Example:
         >>> from jax_scaled.ops import reduce_precision_on_forward
@@ -100,10 +139,19 @@ def reduce_precision_on_forward(
         >>> f(x), jax.grad(f)(x)  # forward rounds 1.1 -> 1.125, 3.3 -> 3.25; grad = x + rp(x)
         (Array(11.9625, dtype=float32), Array([2.225, 6.55 ], dtype=float32))
     """
+    if check_rounding(rounding, key):
+        return _stochastic_on_forward(x, key, float_dtype(dtype), saturate, True)
     return _quantize_on_forward(x, float_dtype(dtype), saturate, True)
 
 
-def cast_on_backward(x: jax.Array, dtype: DTypeLike, *, saturate: bool = False) -> jax.Array:
+def cast_on_backward(
+    x: jax.Array,
+    dtype: DTypeLike,
+    *,
+    saturate: bool = False,
+    rounding: RoundingMode = "nearest",
+    key: jax.Array | None = None,
+) -> jax.Array:
     """Identity on the forward pass; the cotangent is cast to ``dtype`` on the backward pass.
 
     A cotangent keeps its primal's dtype in JAX, so the cast cotangent is returned in
@@ -115,18 +163,35 @@ def cast_on_backward(x: jax.Array, dtype: DTypeLike, *, saturate: bool = False) 
         x: a floating-point array (or ScaledArray under scalify).
         dtype: the backward format, e.g. ``jnp.float8_e5m2``.
         saturate: clip cotangent values beyond the format's largest finite value to it.
+        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased rounding of the cotangent,
+            needs ``key``).
+        key: the PRNG key of stochastic rounding; unused by ``"nearest"``.
+
+    Returns:
+        ``x`` (its cotangent is cast on the backward pass).
 
     Example:
         >>> from jax_scaled.ops import cast_on_backward
         >>> x = jnp.array([1.0, 2.0])
         >>> jax.grad(lambda x: jnp.sum(cast_on_backward(x, jnp.float8_e5m2) * 0.3))(x)
         Array([0.3125, 0.3125], dtype=float32)
+        >>> sr = dict(rounding="stochastic", key=jax.random.key(2))  # 0.25 or 0.3125
+        >>> f = lambda x: jnp.sum(cast_on_backward(x, jnp.float8_e5m2, **sr) * 0.3)
+        >>> jax.grad(f)(jnp.ones(4))
+        Array([0.3125, 0.25  , 0.3125, 0.25  ], dtype=float32)
     """
+    if check_rounding(rounding, key):
+        return _stochastic_on_backward(x, key, float_dtype(dtype), saturate)
     return _quantize_on_backward(x, float_dtype(dtype), saturate)
 
 
 def reduce_precision_on_backward(
-    x: jax.Array, dtype: DTypeLike, *, saturate: bool = False
+    x: jax.Array,
+    dtype: DTypeLike,
+    *,
+    saturate: bool = False,
+    rounding: RoundingMode = "nearest",
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """Identity on the forward pass; the cotangent is rounded to the values of ``dtype``.
 
@@ -137,6 +202,11 @@ def reduce_precision_on_backward(
         x: a floating-point array (or ScaledArray under scalify).
         dtype: the format whose values to round the cotangent to.
         saturate: clip cotangent values beyond the format's largest finite value to it.
+        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, needs ``key``).
+        key: the PRNG key of stochastic rounding; unused by ``"nearest"``.
+
+    Returns:
+        ``x`` (its cotangent is rounded on the backward pass).
 
     Example:
         >>> from jax_scaled.ops import reduce_precision_on_backward
@@ -144,14 +214,19 @@ def reduce_precision_on_backward(
         >>> f(jnp.ones(2)), jax.grad(f)(jnp.ones(2))
         (Array(2.2, dtype=float32), Array([1.125, 1.125], dtype=float32))
     """
+    if check_rounding(rounding, key):
+        return _stochastic_on_backward(x, key, float_dtype(dtype), saturate)
     return _quantize_on_backward(x, float_dtype(dtype), saturate)
 
 
-def _quantize(x: jax.Array, dtype, saturating: bool, keep_dtype: bool) -> jax.Array:
-    """``x`` cast to ``dtype`` (clipped to its range first if ``saturating``); back if asked."""
+def _quantize(
+    x: jax.Array, dtype, saturating: bool, keep_dtype: bool, key: jax.Array | None = None
+) -> jax.Array:
+    """``x`` cast to ``dtype`` (clipped to its range first if ``saturating``), rounded
+    stochastically with ``key`` if given; cast back if ``keep_dtype``."""
     if saturating:
         x = cast_rules.saturate(x, dtype)
-    out = lax.convert_element_type(x, dtype)
+    out = lax.convert_element_type(x, dtype) if key is None else stochastic_round(x, dtype, key)
     return lax.convert_element_type(out, x.dtype) if keep_dtype else out
 
 
@@ -183,3 +258,34 @@ def _quantize_on_backward_bwd(dtype, saturating, _, cotangent):
 
 
 _quantize_on_backward.defvjp(_quantize_on_backward_fwd, _quantize_on_backward_bwd)
+
+
+# -- stochastic rounding: the same passes, with the PRNG key as an operand -----------------
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _stochastic_on_forward(x, key, dtype, saturating: bool, keep_dtype: bool):
+    return _quantize(x, dtype, saturating, keep_dtype, key)
+
+
+@_stochastic_on_forward.defjvp
+def _stochastic_on_forward_jvp(dtype, saturating, keep_dtype, primals, tangents):
+    (x, key), (tangent, _) = primals, tangents
+    out = _quantize(x, dtype, saturating, keep_dtype, key)
+    return out, (tangent if keep_dtype else lax.convert_element_type(tangent, dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _stochastic_on_backward(x, key, dtype, saturating: bool):
+    return x
+
+
+def _stochastic_on_backward_fwd(x, key, dtype, saturating):
+    return x, key  # the key, not random bits: nothing of x's size is kept for the backward
+
+
+def _stochastic_on_backward_bwd(dtype, saturating, key, cotangent):
+    return _quantize(cotangent, dtype, saturating, True, key), None
+
+
+_stochastic_on_backward.defvjp(_stochastic_on_backward_fwd, _stochastic_on_backward_bwd)

@@ -1,0 +1,322 @@
+"""The format policy: every contraction of a function in FP8, wherever it is.
+
+:func:`dot_formats` traces a function to a jaxpr and re-runs it with every ``dot_general`` and
+``conv_general_dilated`` on floating operands replaced by a
+:func:`~jax_scaled.nn.cast_contraction.cast_contraction`: forward operands cast to ``lhs`` /
+``rhs``, backward cotangent cast to ``grad``, with the semantics of :func:`jax_scaled.nn.linear`.
+Contractions inside higher-order primitives are reached too: the jaxpr-valued parameters of
+``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``closed_call`` and ``custom_linear_solve``
+are re-traced through the same evaluation, and the equation is re-bound with them.
+
+Custom derivatives: the function of a ``custom_jvp`` / ``custom_vjp`` is transformed, and so is
+the ``fwd`` of a ``custom_vjp`` (which computes the primal outputs under ``jax.grad``). The
+user's derivative rules (a ``custom_vjp``'s ``bwd``, a ``custom_jvp``'s ``jvp``) are kept as
+written, and so is the scale rule of a :func:`~jax_scaled.custom_scale` function. Under
+``jax.grad`` a ``custom_jvp`` function's outputs come from its ``jvp`` rule, not transformed.
+``shard_map`` and ``pallas_call`` bodies are left as they are (they trace only in their own
+context: a mesh's axes, a kernel's memory references).
+
+Apply the policy to the function that is differentiated, ``jax.grad(dot_formats(loss))``, not
+to its gradient, ``dot_formats(jax.grad(loss))``: in a jaxpr that already contains a backward
+pass the gradient contractions would be cast as forward ones (to ``lhs`` / ``rhs``, not
+``grad``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_scaled import _jax_internals as jxi
+from jax_scaled.nn.cast_contraction import (
+    SCALINGS,
+    CastFormats,
+    Contraction,
+    accumulation_dtype,
+    cast_contraction,
+)
+from jax_scaled.rules.casts import float_dtype
+
+DTypeLike = Any
+Shape = tuple[int, ...]
+_CONTRACTIONS = (lax.dot_general_p, lax.conv_general_dilated_p)
+# Higher-order primitives whose bodies trace only in their own context (a mesh's manual
+# axes, a kernel's memory references): bound as they are, contractions inside included.
+_OPAQUE = frozenset({"shard_map", "pallas_call"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ContractionSite:
+    """One contraction of the program, as an ``exclude`` predicate sees it.
+
+    Attributes:
+        primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+        lhs: shape and dtype of the left operand.
+        rhs: shape and dtype of the right operand.
+        out: shape and dtype of the result.
+        params: the equation's parameters (``dimension_numbers``, padding, ...).
+        source_line: the user's source location, ``file:line (function)``.
+    """
+
+    primitive: str
+    lhs: jax.ShapeDtypeStruct
+    rhs: jax.ShapeDtypeStruct
+    out: jax.ShapeDtypeStruct
+    params: Mapping[str, Any]
+    source_line: str
+
+    @property
+    def dimension_numbers(self) -> Any:
+        """The contraction's ``dimension_numbers`` parameter."""
+        return self.params["dimension_numbers"]
+
+
+Exclude = Callable[[ContractionSite], bool] | Sequence[Shape] | None
+
+
+def has_operand_shape(*shapes: Shape) -> Callable[[ContractionSite], bool]:
+    """A predicate for ``exclude``: true for a contraction with an operand of one of ``shapes``.
+
+    Args:
+        *shapes: operand shapes, e.g. ``(d_model, vocab)`` for a language model's head.
+
+    Returns:
+        A function of a :class:`ContractionSite`.
+
+    Example:
+        >>> from jax_scaled import has_operand_shape
+        >>> head = dot_formats(lambda x, w: x @ w, exclude=has_operand_shape((4, 3)))
+        >>> head(jnp.ones((2, 4)) / 3, jnp.ones((4, 3))).tolist()[0][0]  # float32, not FP8
+        1.3333333730697632
+    """
+    wanted = {tuple(s) for s in shapes}
+    return lambda site: tuple(site.lhs.shape) in wanted or tuple(site.rhs.shape) in wanted
+
+
+def dot_formats(
+    fn: Callable,
+    *,
+    lhs: DTypeLike | None = jnp.float8_e4m3fn,
+    rhs: DTypeLike | None = jnp.float8_e4m3fn,
+    grad: DTypeLike | None = jnp.float8_e5m2,
+    exclude: Exclude = None,
+    block: Any = None,
+    scaling: str = "current",
+) -> Callable:
+    """``fn`` with its matmuls and convolutions on ``lhs``/``rhs`` operands and ``grad`` cotangents.
+
+    Every ``dot_general`` and ``conv_general_dilated`` whose operands and result are floating
+    (flax ``Dense``/``DenseGeneral``/``Conv``, attention einsums, ``x @ w``), at any depth of
+    ``jit``, ``scan``, ``while``, ``cond``, ``remat`` and custom-derivative functions, becomes
+    :func:`~jax_scaled.nn.cast_contraction.cast_contraction`, with the semantics of
+    :func:`jax_scaled.nn.linear`:
+
+    * forward: the operands are cast to ``lhs`` and ``rhs`` and the contraction takes the
+      casts directly, accumulating in the original result dtype (float32 when that is an
+      8-bit format, or with current scaling); the result has the original dtype and shape;
+    * backward (``jax.grad`` of the returned function): the cotangent, cast to ``grad``,
+      multiplies the cast forward operands; gradients come back in the operands' dtypes.
+
+    The returned function has ``fn``'s signature and output avals. Leaves of its arguments
+    that are not arrays (Python numbers, strings) are static: baked into the trace.
+
+    **Scaling.** ``"current"`` (default): before each cast, a plain operand (and the
+    cotangent) is divided by the power of two that brings its absolute maximum within the
+    format's range, and the result multiplied back by the scales: per-tensor current scaling,
+    so that values of magnitude 2^-20 or 2^20 survive FP8 (an FP8 simulation of plain JAX).
+    Under :func:`jax_scaled.scalify`, ScaledArray operands are not rescaled: the cast acts on
+    their data and keeps their scale, which scalify already keeps in range. ``"none"``: the
+    casts quantise values as they are (raw FP8: tiny values flush to zero, large overflow).
+
+    Compose with a training step as ``js.scalify(jax.value_and_grad(dot_formats(loss)))``:
+    apply the policy to the function that is differentiated.
+
+    Args:
+        fn: the function to transform.
+        lhs: format of a contraction's left operand (``jnp.float8_e4m3fn``); None: no cast.
+        rhs: format of its right operand; None: no cast.
+        grad: format of the cotangent of its result (``jnp.float8_e5m2``); None: no cast.
+        exclude: contractions to keep as they are: a predicate on :class:`ContractionSite`
+            (primitive, operand shapes and dtypes, dimension numbers, source line), or a
+            sequence of operand shapes (see :func:`has_operand_shape`), e.g. a language
+            model's output head ``[(d_model, vocab)]``.
+        block: block scaling formats (MX); only None is supported for now.
+        scaling: ``"current"`` or ``"none"`` (see above).
+
+    Returns:
+        The transformed function.
+
+    Example:
+        >>> from jax_scaled import dot_formats
+        >>> x, w = jnp.full((2, 16), 2.0**-20), jnp.full((16, 3), 1.1)
+        >>> fp8 = dot_formats(lambda x, w: x @ w)
+        >>> float(fp8(x, w)[0, 0]) * 2**20  # 1.1 rounds to 1.125 in E4M3; 2^-20 survives
+        18.0
+        >>> float(dot_formats(lambda x, w: x @ w, scaling="none")(x, w)[0, 0])  # raw FP8
+        0.0
+        >>> g = jax.grad(lambda w: jnp.sum(fp8(x, w)))(w)  # E5M2 cotangent, float32 gradient
+        >>> g.dtype, float(g[0, 0]) * 2**19
+        (dtype('float32'), 1.0)
+    """
+    if block is not None:
+        raise NotImplementedError(
+            "dot_formats(block=...): block-scaled (MX) formats are not supported yet; "
+            "leave block=None for per-tensor formats."
+        )
+    policy = _Policy(_format(lhs), _format(rhs), _format(grad), _predicate(exclude), scaling)
+
+    @functools.wraps(fn)
+    def with_formats(*args, **kwargs):
+        return _call(fn, policy, args, kwargs)
+
+    return with_formats
+
+
+def _format(dtype: DTypeLike | None) -> jnp.dtype | None:
+    return None if dtype is None else float_dtype(dtype)
+
+
+def _predicate(exclude: Exclude) -> Callable[[ContractionSite], bool]:
+    if exclude is None:
+        return lambda site: False
+    if callable(exclude):
+        return exclude
+    if any(isinstance(s, int) for s in exclude):
+        raise TypeError(f"dot_formats: exclude takes a list of shapes, e.g. [{tuple(exclude)}]")
+    return has_operand_shape(*exclude)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Policy:
+    """The formats of :func:`dot_formats`, and which contractions they apply to."""
+
+    lhs: jnp.dtype | None
+    rhs: jnp.dtype | None
+    grad: jnp.dtype | None
+    exclude: Callable[[ContractionSite], bool]
+    scaling: str
+
+    def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            raise ValueError(
+                f"dot_formats: scaling must be one of {SCALINGS}, got {self.scaling!r}"
+            )
+
+    def formats(self, eqn: jxi.JaxprEqn, lhs: Any, rhs: Any) -> CastFormats | None:
+        """The casts of this contraction, or None to leave it as it is."""
+        out = eqn.outvars[0].aval
+        dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), jnp.dtype(out.dtype))
+        if not all(jnp.issubdtype(d, jnp.floating) for d in dtypes):
+            return None
+        if dtypes[:2] == (self.lhs, self.rhs):
+            return None  # already in these formats (e.g. the forward of an FP8 nn.linear)
+        if self.exclude(_site(eqn, lhs, rhs)):
+            return None
+        return CastFormats(
+            lhs=None if dtypes[0] == self.lhs else self.lhs,
+            rhs=None if dtypes[1] == self.rhs else self.rhs,
+            grad=self.grad,
+            lhs_grad=dtypes[0],
+            rhs_grad=dtypes[1],
+            accumulation=accumulation_dtype(dtypes[2], self.scaling),
+            output=dtypes[2],
+            scaling=self.scaling,
+        )
+
+
+def _site(eqn: jxi.JaxprEqn, lhs: Any, rhs: Any) -> ContractionSite:
+    out = eqn.outvars[0].aval
+    return ContractionSite(
+        primitive=eqn.primitive.name,
+        lhs=jax.ShapeDtypeStruct(np.shape(lhs), lhs.dtype),
+        rhs=jax.ShapeDtypeStruct(np.shape(rhs), rhs.dtype),
+        out=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        params=dict(eqn.params),
+        source_line=jxi.eqn_source_line(eqn),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# The transformation: trace, then evaluate with the contractions replaced
+# ---------------------------------------------------------------------------------------
+
+
+def _call(fn: Callable, policy: _Policy, args: tuple, kwargs: dict) -> Any:
+    leaves, in_tree = jax.tree.flatten((args, kwargs))
+    is_array = [_is_array(x) for x in leaves]
+    arrays = [x for x, a in zip(leaves, is_array) if a]
+    out_trees = []
+
+    def flat_fn(*values):
+        values = iter(values)
+        merged = [next(values) if a else x for x, a in zip(leaves, is_array)]
+        call_args, call_kwargs = jax.tree.unflatten(in_tree, merged)
+        outs, out_tree = jax.tree.flatten(fn(*call_args, **call_kwargs))
+        out_trees.append(out_tree)
+        return outs
+
+    closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in arrays])
+    outs = _evaluate(closed.jaxpr, closed.consts, arrays, policy)
+    return jax.tree.unflatten(out_trees[-1], outs)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    weak_type = bool(getattr(jax.typeof(x), "weak_type", False))
+    manual = jxi.manual_axis_kwargs(x)  # inside shard_map: the axes x varies over
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak_type, **manual)
+
+
+def _evaluate(jaxpr: jxi.Jaxpr, consts: Sequence, args: Sequence, policy: _Policy) -> list:
+    """Run ``jaxpr`` on ``args`` in the current trace, contractions replaced per ``policy``."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, jxi.Literal) else env[atom]
+
+    for eqn in jaxpr.eqns:
+        with jxi.eqn_user_context(eqn):
+            outs = _evaluate_eqn(eqn, [read(v) for v in eqn.invars], policy)
+        for var, out in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, jxi.DropVar):
+                env[var] = out
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _evaluate_eqn(eqn: jxi.JaxprEqn, invals: list, policy: _Policy) -> list:
+    if eqn.primitive in _CONTRACTIONS:
+        formats = policy.formats(eqn, *invals)
+        if formats is not None:
+            out = cast_contraction(*invals, Contraction.of(eqn.primitive, eqn.params), formats)
+            return [jxi.with_weak_type(out) if eqn.outvars[0].aval.weak_type else out]
+    elif eqn.primitive.name not in _OPAQUE and _has_contraction_inside(eqn):
+        eqn = jxi.map_jaxpr_params(eqn, functools.partial(_transform, policy=policy))
+    subfuns, params = jxi.eqn_bind_params(eqn)
+    outs = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _transform(closed: jxi.ClosedJaxpr, policy: _Policy) -> jxi.ClosedJaxpr:
+    """``closed`` with its contractions replaced (itself if it has none)."""
+    if not _has_contraction(closed.jaxpr):
+        return closed
+    return jxi.retrace_closed_jaxpr(closed, functools.partial(_evaluate, policy=policy))
+
+
+def _has_contraction(jaxpr: jxi.Jaxpr) -> bool:
+    return any(e.primitive in _CONTRACTIONS or _has_contraction_inside(e) for e in jaxpr.eqns)
+
+
+def _has_contraction_inside(eqn: jxi.JaxprEqn) -> bool:
+    return any(_has_contraction(sub) for sub in jxi.eqn_subjaxprs(eqn))
