@@ -142,6 +142,9 @@ CASES = {
         lambda x: jnp.nan_to_num(jnp.where(x > 1, jnp.inf, x), posinf=100.0),
         [X],
     ),
+    # remainders: the issue-17 case, and one whose operands have different scales
+    "remainder_abs_plus_one": (lambda x, y: jnp.remainder(x, jnp.abs(y) + 1.0), [X, X]),
+    "fmod_small_by_large": (lambda x, y: jnp.fmod(x * 2.0**-30, y), [X, X]),
     # beyond the list: lookups and special functions
     "searchsorted": (lambda x, y: jnp.searchsorted(jnp.sort(x[0]), y[0]) * x[1], [X, X]),
     "interp": (lambda x, y: jnp.interp(y[0], jnp.sort(x[0]), x[1]), [X, X]),
