@@ -7,11 +7,13 @@ a JAX upgrade that moves an internal touches one file. Everything else imports f
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import pkgutil
 from collections.abc import Callable, Sequence
 
+import jax
 from jax._src import ad_checkpoint, source_info_util
 from jax._src import config as _config
 from jax._src import core as _core
@@ -100,9 +102,14 @@ __all__ = [
     "Literal",
     "Primitive",
     "Var",
-    "ad",
     "all_lax_primitives",
-    "batching",
+    "define_primitive",
+    "eqn_subjaxprs",
+    "is_kernel_call",
+    "map_jaxpr_params",
+    "retrace_closed_jaxpr",
+    "with_weak_type",
+    "zero_tangent",
     "closed_call_p",
     "custom_jvp_call_p",
     "custom_vjp_call_p",
@@ -144,7 +151,6 @@ __all__ = [
     "varying_axes",
     "vma_checked",
     "lax_primitives",
-    "mlir",
     "split_p",
 ]
 
@@ -308,6 +314,116 @@ def _map_fwd_thunk(thunk, transform: Callable[[ClosedJaxpr], ClosedJaxpr]):
     return _lu.wrap_init(fwd_jaxpr, debug_info=thunk.debug_info)
 
 
+def is_kernel_call(primitive: Primitive) -> bool:
+    """True for a Pallas kernel call (``pallas_call``), whose body is a kernel, not a program
+    (identified by name: importing Pallas to compare the primitive costs import time)."""
+    return primitive.name == "pallas_call"
+
+
 def with_weak_type(x):
     """``x``, same dtype and values, typed weakly (as arrays built from Python scalars are)."""
     return _lax_impl._convert_element_type(x, x.dtype, weak_type=True)
+
+
+# =======================================================================================
+# Defining primitives: jax_scaled's scaling primitives, identities (or elementwise maps)
+# outside scalify, with their scale rules registered separately.
+# =======================================================================================
+
+Batcher = Callable[..., tuple]
+
+
+def define_primitive(
+    name: str,
+    impl: Callable,
+    *,
+    multiple_results: bool = False,
+    abstract_eval: Callable | None = None,
+    straight_through: bool = False,
+    jvp: Callable | None = None,
+    batcher: Batcher | None = None,
+    batched_operands: int = 1,
+) -> Primitive:
+    """A primitive computing ``impl(*operands, **params)``: evaluation, abstract evaluation
+    (``jax.eval_shape`` of ``impl``), lowering (``impl`` traced into MLIR), differentiation and
+    batching.
+
+    Args:
+        name: the primitive's name.
+        impl: the computation, a function of arrays and keyword parameters.
+        multiple_results: ``impl`` returns a list.
+        abstract_eval: the output avals from the input avals and parameters (default:
+            ``jax.eval_shape`` of ``impl``, which traces it).
+        straight_through: the tangent (and cotangent) of the output is that of the first
+            operand, cast to the output's dtype (and back): for identities and roundings.
+            The primitive is then linear in its first operand for ``jax.linear_transpose``
+            and ``jax.grad``; the other operands get no cotangent.
+        jvp: the JVP rule ``(primals, tangents, **params) -> (out, tangent)``, for a primitive
+            that is not straight-through (None: not differentiable).
+        batcher: the batching rule ``(args, dims, **params) -> (out, dims)``; default: the
+            primitive maps its first ``batched_operands`` operands elementwise, which must
+            share their batch axis, and refuses a batched later operand.
+        batched_operands: how many leading operands the default batcher maps.
+
+    Returns:
+        The primitive.
+
+    Example:
+        >>> double_p = define_primitive("double", lambda x: 2 * x, straight_through=False)
+        >>> float(jax.jit(lambda x: double_p.bind(x))(1.5))
+        3.0
+    """
+    primitive = Primitive(name)
+    primitive.multiple_results = multiple_results
+    primitive.def_impl(impl)
+    primitive.def_abstract_eval(
+        abstract_eval or functools.partial(_abstract_eval, impl, multiple_results)
+    )
+    mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results))
+    if straight_through:
+        ad.primitive_jvps[primitive] = functools.partial(_straight_through_jvp, primitive)
+        ad.primitive_transposes[primitive] = _straight_through_transpose
+    elif jvp is not None:
+        ad.primitive_jvps[primitive] = jvp
+    default = functools.partial(_map_leading, primitive, batched_operands)
+    batching.primitive_batchers[primitive] = batcher or default
+    return primitive
+
+
+def zero_tangent(x) -> object:
+    """The symbolic zero tangent of a value shaped like ``x`` (a JVP rule's output)."""
+    return ad.Zero(ShapedArray(x.shape, x.dtype).to_tangent_aval())
+
+
+def _abstract_eval(impl: Callable, multiple_results: bool, *avals, **params):
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    out = jax.eval_shape(functools.partial(impl, **params), *structs)
+    shaped = [ShapedArray(o.shape, o.dtype) for o in (out if multiple_results else [out])]
+    return shaped if multiple_results else shaped[0]
+
+
+def _straight_through_jvp(primitive: Primitive, primals, tangents, **params):
+    out = primitive.bind(*primals, **params)
+    tangent = tangents[0]
+    if type(tangent) is ad.Zero:
+        return out, zero_tangent(out)
+    return out, _lax_impl.convert_element_type(tangent, out.dtype)
+
+
+def _straight_through_transpose(cotangent, x, *others, **params):
+    if type(cotangent) is ad.Zero:
+        return (ad.Zero(x.aval.to_tangent_aval()), *[None] * len(others))
+    return (_lax_impl.convert_element_type(cotangent, x.aval.dtype), *[None] * len(others))
+
+
+def _map_leading(primitive: Primitive, count: int, args, dims, **params):
+    mapped = [d for d in dims[:count] if d is not NOT_MAPPED]
+    if any(d is not NOT_MAPPED for d in dims[count:]) or len(set(mapped)) > 1:
+        raise NotImplementedError(
+            f"{primitive.name} under vmap maps its first {count} operand(s) along one axis; "
+            "it got a batched scale or parameter, or operands batched along different axes. "
+            "Keep one scale for the whole batch, or apply it per example outside vmap."
+        )
+    dim = mapped[0] if mapped else NOT_MAPPED
+    out = primitive.bind(*args, **params)
+    return out, ([dim] * len(out) if primitive.multiple_results else dim)

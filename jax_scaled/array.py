@@ -17,7 +17,13 @@ from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_round, pow2_split
 DTypeLike = Any
 
 
-def _is_array_like(x: Any) -> bool:
+def is_array_like(x: Any) -> bool:
+    """True for jax and numpy arrays and tracers (not for Python numbers).
+
+    Example:
+        >>> is_array_like(np.ones(2)), is_array_like(2.0)
+        (True, False)
+    """
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) or (
         hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "aval")
     )
@@ -119,7 +125,7 @@ class ScaledArray:
 def _check_data(data: Any) -> None:
     if isinstance(data, ScaledArray):
         raise TypeError("ScaledArray data cannot itself be a ScaledArray.")
-    if not _is_array_like(data):
+    if not is_array_like(data):
         raise TypeError(
             f"ScaledArray data must be an array (jax.Array or numpy.ndarray), "
             f"got {type(data).__name__}. Use scaled_array(...) to convert Python values."
@@ -129,7 +135,7 @@ def _check_data(data: Any) -> None:
 
 
 def _check_scale(scale: Any, data: Any) -> None:
-    if not _is_array_like(scale):
+    if not is_array_like(scale):
         raise TypeError(
             f"ScaledArray scale must be an array, got {type(scale).__name__}. "
             "Use scaled_array(...) to convert Python values."
@@ -175,7 +181,7 @@ def is_scaled_leaf(x: Any) -> bool:
         >>> type(jax.tree.leaves(tree, is_leaf=is_scaled_leaf)[0]).__name__
         'ScaledArray'
     """
-    return isinstance(x, ScaledArray) or np.isscalar(x) or _is_array_like(x)
+    return isinstance(x, ScaledArray) or np.isscalar(x) or is_array_like(x)
 
 
 def scaled_array(data, scale, dtype: DTypeLike | None = None) -> ScaledArray:
@@ -199,7 +205,7 @@ def _as_scaled_leaf(x: Any, scale, scale_dtype) -> Any:
         if scale_dtype is None:
             return x
         return ScaledArray._trusted(x.data, x.scale.astype(scale_dtype))
-    if not (_is_array_like(x) or isinstance(x, float)):
+    if not (is_array_like(x) or isinstance(x, float)):
         return x
     if not _is_float_dtype(jnp.result_type(x)):
         return x
@@ -276,7 +282,7 @@ def as_scaled_array(tree: Any, scale=None, scale_dtype: DTypeLike | None = None)
 
 
 def _needs_split(x: Any) -> bool:
-    is_float = (_is_array_like(x) or isinstance(x, float)) and _is_float_dtype(jnp.result_type(x))
+    is_float = (is_array_like(x) or isinstance(x, float)) and _is_float_dtype(jnp.result_type(x))
     return is_float and not isinstance(x, ScaledArray)
 
 
@@ -298,7 +304,7 @@ def asarray(tree: Any, dtype: DTypeLike | None = None) -> Any:
     def convert(x):
         if isinstance(x, ScaledArray):
             return x.to_array(dtype)
-        if dtype is not None and _is_array_like(x) and _is_float_dtype(x.dtype):
+        if dtype is not None and is_array_like(x) and _is_float_dtype(x.dtype):
             return jnp.asarray(x, dtype=dtype)
         return x
 

@@ -32,13 +32,11 @@ from typing import Any
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled._threadlocal import ThreadStack
 from jax_scaled.dtypes import is_narrow_float
-
-# Casts that exist in a narrow trace and are no-ops (absent) in the float32 one, or the reverse.
-_DTYPE_DEPENDENT = {"convert_element_type"}
 
 
 class ConstantPrecisionWarning(UserWarning):
@@ -197,8 +195,9 @@ def recover_constants(
 
 def _match_jaxprs(narrow: jxi.Jaxpr, wide: jxi.Jaxpr, found: TrueConstants, matched: set) -> None:
     """Align the equations of two traces and read each rounded literal's wide counterpart."""
-    narrow_eqns = [e for e in narrow.eqns if e.primitive.name not in _DTYPE_DEPENDENT]
-    wide_eqns = [e for e in wide.eqns if e.primitive.name not in _DTYPE_DEPENDENT]
+    # Casts exist in a narrow trace and are no-ops (absent) in the float32 one, or the reverse.
+    narrow_eqns = [e for e in narrow.eqns if e.primitive is not lax.convert_element_type_p]
+    wide_eqns = [e for e in wide.eqns if e.primitive is not lax.convert_element_type_p]
     matcher = difflib.SequenceMatcher(
         None, [_signature(e) for e in narrow_eqns], [_signature(e) for e in wide_eqns],
         autojunk=False,

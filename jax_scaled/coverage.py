@@ -1,7 +1,7 @@
 """Operator coverage: how scalify handles every primitive of the installed JAX.
 
-Generates ``docs/operators.md`` from the rule registry and the interpreter's higher-order
-rules, so the document never drifts from the code::
+Generates ``docs/operators.md`` from the primitive records of the registry (rules,
+higher-order rules and properties), so the document never drifts from the code::
 
     python -m jax_scaled.coverage            # rewrite docs/operators.md
     python -m jax_scaled.coverage --check    # exit 1 if docs/operators.md is out of date
@@ -24,8 +24,13 @@ from pathlib import Path
 import jax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.interpreter import higher_order_primitives
-from jax_scaled.registry import registered_primitives
+from jax_scaled.registry import (
+    Property,
+    higher_order_primitives,
+    record,
+    records,
+    registered_primitives,
+)
 
 INTERPRETED = "interpreted"
 RULE = "rule"
@@ -96,11 +101,40 @@ NEVER_FLOAT_OPERANDS: dict[str, str] = {
 
 @dataclasses.dataclass(frozen=True)
 class PrimitiveCoverage:
-    """How scalify handles one primitive: its status and the module or reason behind it."""
+    """How scalify handles one primitive: its status, the module or reason behind it, and the
+    properties of its record (:class:`~jax_scaled.registry.Property`)."""
 
     name: str
     status: str
     detail: str
+    properties: str = ""
+
+
+def record_properties(primitive: jxi.Primitive) -> str:
+    """The properties of ``primitive``'s record, and whether it has an estimate or a fold.
+
+    Example:
+        >>> from jax import lax
+        >>> record_properties(lax.mul_p)
+        'elementwise, any-scale preserving, absorbing, multiplicative, estimate, fold'
+    """
+    found = record(primitive)
+    names = [_PROPERTY_NAMES[p] for p in _PROPERTY_NAMES if p in found.properties]
+    names += [name for name in ("estimate", "fold") if getattr(found, name) is not None]
+    return ", ".join(names)
+
+
+_PROPERTY_NAMES = {
+    Property.SHAPE_ONLY: "shape only",
+    Property.ELEMENTWISE: "elementwise",
+    Property.ANY_SCALE_PRESERVING: "any-scale preserving",
+    Property.ABSORBING: "absorbing",
+    Property.MULTIPLICATIVE: "multiplicative",
+    Property.SELECTING: "selecting",
+    Property.ADDING: "adding",
+    Property.LAYOUT: "layout",
+    Property.FACTS_INSIDE: "facts inside",
+}
 
 
 def primitive_status(
@@ -132,8 +166,13 @@ def lax_coverage() -> list[PrimitiveCoverage]:
         ('rule', 'interpreted', 'forwarded: never carries floating-point data')
     """
     rules, higher_order = registered_primitives(), higher_order_primitives()
-    names = sorted(jxi.all_lax_primitives())
-    return [PrimitiveCoverage(n, *primitive_status(n, rules, higher_order)) for n in names]
+    primitives = jxi.all_lax_primitives()
+    return [
+        PrimitiveCoverage(
+            name, *primitive_status(name, rules, higher_order), record_properties(primitives[name])
+        )
+        for name in sorted(primitives)
+    ]
 
 
 def own_primitives() -> list[PrimitiveCoverage]:
@@ -144,11 +183,11 @@ def own_primitives() -> list[PrimitiveCoverage]:
         ['set_scaling']
     """
     lax_names = set(jxi.all_lax_primitives())
-    rules = registered_primitives()
     return [
-        PrimitiveCoverage(name, RULE, module)
-        for name, module in sorted(rules.items())
-        if name not in lax_names and module.startswith("jax_scaled.")
+        PrimitiveCoverage(r.primitive.name, RULE, r.module, record_properties(r.primitive))
+        for r in records()
+        if r.rule is not None and r.primitive.name not in lax_names
+        and r.module.startswith("jax_scaled.")
     ]
 
 
@@ -156,8 +195,8 @@ def render_markdown(lax: Sequence[PrimitiveCoverage], own: Sequence[PrimitiveCov
     """The operators document for the given coverage rows (deterministic: rows are sorted).
 
     Example:
-        >>> text = render_markdown([PrimitiveCoverage("add", RULE, "m")], [])
-        >>> "| `add` | rule | `m` |" in text
+        >>> text = render_markdown([PrimitiveCoverage("add", RULE, "m", "adding")], [])
+        >>> "| `add` | rule | `m` | adding |" in text
         True
     """
     lines = _header(lax) + ["## All lax primitives", ""] + _table(lax)
@@ -179,6 +218,10 @@ def _header(lax: Sequence[PrimitiveCoverage]) -> list[str]:
         "`jax._src.lax` and `jax._src.random`), with the rules registered by "
         "`import jax_scaled`.",
         "",
+        "- **record properties**: what the interpreter may assume about the primitive "
+        "besides its rule (`jax_scaled.registry.Property`), and whether its record says how a "
+        "static magnitude estimate propagates (estimate) or how a trace-time constant folds "
+        "(fold) through it.",
         "- **rule**: a scale rule (in the module named) runs when an input is a ScaledArray.",
         "- **interpreted**: a higher-order primitive: scalify interprets its sub-jaxprs and "
         "re-binds it.",
@@ -199,8 +242,9 @@ def _header(lax: Sequence[PrimitiveCoverage]) -> list[str]:
 
 
 def _table(rows: Sequence[PrimitiveCoverage]) -> list[str]:
-    body = [f"| `{c.name}` | {c.status} | {_detail(c)} |" for c in rows]
-    return ["| primitive | status | handled by / why |", "| --- | --- | --- |", *body]
+    body = [f"| `{c.name}` | {c.status} | {_detail(c)} | {c.properties} |" for c in rows]
+    header = "| primitive | status | handled by / why | record properties |"
+    return [header, "| --- | --- | --- | --- |", *body]
 
 
 def _detail(c: PrimitiveCoverage) -> str:

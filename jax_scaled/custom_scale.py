@@ -26,15 +26,10 @@ import jax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.interpreter import (
-    Slot,
-    _rule_output_slots,
-    register_higher_order_rule,
-)
+from jax_scaled.facts import Slot
+from jax_scaled.interpreter import rule_output_slots
 from jax_scaled.promotion import promote_inputs
-
-custom_scale_call_p = jxi.Primitive("custom_scale_call")
-custom_scale_call_p.multiple_results = True
+from jax_scaled.registry import register_higher_order_rule
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -137,13 +132,6 @@ def _evaluate(*args: Any, jaxpr: jxi.ClosedJaxpr, call: _Call) -> list:
     return jxi.jaxpr_as_fun(jaxpr)(*args)
 
 
-custom_scale_call_p.def_impl(_evaluate)
-custom_scale_call_p.def_abstract_eval(lambda *avals, jaxpr, call: jaxpr.out_avals)
-jxi.mlir.register_lowering(
-    custom_scale_call_p, jxi.mlir.lower_fun(_evaluate, multiple_results=True)
-)
-
-
 def _batch(args: Sequence[Any], dims: Sequence[Any], *, jaxpr, call) -> tuple[list, list]:
     """Under vmap: the body, batched; the rule does not apply to batched values."""
     in_axes = [None if d is jxi.NOT_MAPPED else d for d in dims]
@@ -151,7 +139,14 @@ def _batch(args: Sequence[Any], dims: Sequence[Any], *, jaxpr, call) -> tuple[li
     return list(outs), [0] * len(outs)
 
 
-jxi.batching.primitive_batchers[custom_scale_call_p] = _batch
+# Differentiated through the custom_jvp of _differentiable_call, never directly.
+custom_scale_call_p = jxi.define_primitive(
+    "custom_scale_call",
+    _evaluate,
+    multiple_results=True,
+    abstract_eval=lambda *avals, jaxpr, call: jaxpr.out_avals,
+    batcher=_batch,
+)
 
 
 @register_higher_order_rule(custom_scale_call_p)
@@ -159,4 +154,4 @@ def _custom_scale_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     call: _Call = eqn.params["call"]
     out = call.rule(*call.arguments(promote_inputs(in_slots)))
     leaves = jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, ScaledArray))
-    return _rule_output_slots(eqn, leaves)
+    return rule_output_slots(eqn, leaves)

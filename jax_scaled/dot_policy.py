@@ -47,9 +47,12 @@ from jax_scaled.rules.casts import float_dtype
 DTypeLike = Any
 Shape = tuple[int, ...]
 _CONTRACTIONS = (lax.dot_general_p, lax.conv_general_dilated_p)
-# Higher-order primitives whose bodies trace only in their own context (a mesh's manual
-# axes, a kernel's memory references): bound as they are, contractions inside included.
-_OPAQUE = frozenset({"shard_map", "pallas_call"})
+
+
+def _is_opaque(primitive: jxi.Primitive) -> bool:
+    """Higher-order primitives whose bodies trace only in their own context (a mesh's manual
+    axes, a kernel's memory references): bound as they are, contractions inside included."""
+    return primitive is jxi.shard_map_p or jxi.is_kernel_call(primitive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +303,7 @@ def _evaluate_eqn(eqn: jxi.JaxprEqn, invals: list, policy: _Policy) -> list:
         if formats is not None:
             out = cast_contraction(*invals, Contraction.of(eqn.primitive, eqn.params), formats)
             return [jxi.with_weak_type(out) if eqn.outvars[0].aval.weak_type else out]
-    elif eqn.primitive.name not in _OPAQUE and _has_contraction_inside(eqn):
+    elif not _is_opaque(eqn.primitive) and _has_contraction_inside(eqn):
         eqn = jxi.map_jaxpr_params(eqn, functools.partial(_transform, policy=policy))
     subfuns, params = jxi.eqn_bind_params(eqn)
     outs = eqn.primitive.bind(*subfuns, *invals, **params)

@@ -20,7 +20,7 @@ from jax_scaled.config import current_config
 from jax_scaled.pow2 import static_pow2_round
 
 Estimate = float | None
-EstimateRule = Callable[..., Estimate]
+EstimateRule = Callable[..., Estimate]  # rule(estimates, *, shapes, **params) -> estimate
 
 
 def round_estimate(value: float) -> Estimate:
@@ -39,84 +39,80 @@ def _known(estimates: Sequence[Estimate]) -> list[float]:
     return [1.0 if e is None else e for e in estimates]
 
 
-def _first(estimates, **params) -> Estimate:
+# Estimate rules, named in the primitive records (jax_scaled.registry): each takes the inputs'
+# estimates, their shapes and the primitive's params, and returns the output's estimate.
+
+
+def first(estimates, **params) -> Estimate:
+    """The first input's estimate (layout ops, selections of one operand, ``neg``)."""
     return estimates[0]
 
 
-def _largest(estimates, **params) -> Estimate:
+def largest(estimates, **params) -> Estimate:
+    """The largest input estimate (``max``, ``concatenate``)."""
     if all(e is None for e in estimates):
         return None
     return max(_known(estimates))
 
 
-def _largest_case(estimates, **params) -> Estimate:
-    return _largest(estimates[1:])  # select_n: the predicate carries no magnitude
+def largest_case(estimates, **params) -> Estimate:
+    """``select_n``: the largest case; the predicate carries no magnitude."""
+    return largest(estimates[1:])
 
 
-def _product(estimates, **params) -> Estimate:
+def product(estimates, **params) -> Estimate:
+    """The product of the estimates (``mul``)."""
     if all(e is None for e in estimates):
         return None
     return round_estimate(math.prod(_known(estimates)))
 
 
-def _quotient(estimates, **params) -> Estimate:
+def quotient(estimates, **params) -> Estimate:
+    """The quotient of the two estimates (``div``)."""
     if all(e is None for e in estimates):
         return None
     numerator, denominator = _known(estimates)
     return round_estimate(numerator / denominator)
 
 
-def _sum_of_squares(estimates, **params) -> Estimate:
+def sum_of_squares(estimates, **params) -> Estimate:
+    """``sqrt`` of the sum of squared estimates: a sum of independent terms (``add``)."""
     if all(e is None for e in estimates):
         return None
     return round_estimate(math.sqrt(sum(e * e for e in _known(estimates))))
 
 
-def _reduced_sum(estimates, *, shapes, axes, **params) -> Estimate:
+def reduced_sum(estimates, *, shapes, axes, **params) -> Estimate:
+    """``reduce_sum`` over N elements: the estimate times ``sqrt(N)``."""
     count = math.prod(shapes[0][a] for a in axes)
     return round_estimate(_known(estimates)[0] * math.sqrt(count))
 
 
-def _contraction(estimates, *, shapes, dimension_numbers, **params) -> Estimate:
+def contraction(estimates, *, shapes, dimension_numbers, **params) -> Estimate:
+    """``dot_general`` over K terms: the product of the estimates times ``sqrt(K)``."""
     (contracting, _), _ = dimension_numbers
     count = math.prod(shapes[0][d] for d in contracting)
     return round_estimate(math.prod(_known(estimates)) * math.sqrt(count))
 
 
-def _unit(estimates, **params) -> Estimate:
-    return 1.0  # exp, logistic, casts from bool/int: O(1) values
-
-
-_RULES: dict[str, EstimateRule] = {
-    **dict.fromkeys(
-        [
-            "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice",
-            "rev", "copy", "copy_p", "neg", "abs", "stop_gradient", "reduce_max", "reduce_min",
-            "dynamic_slice", "gather", "cumsum", "pad", "reduce_precision", "sort", "tile",
-        ],
-        _first,
-    ),
-    **dict.fromkeys(["max", "min", "concatenate", "clamp"], _largest),
-    "select_n": _largest_case,
-    "mul": _product,
-    "div": _quotient,
-    **dict.fromkeys(["add", "sub", "add_any"], _sum_of_squares),
-    "reduce_sum": _reduced_sum,
-    "dot_general": _contraction,
-    **dict.fromkeys(["exp", "exp2", "logistic", "cos", "erfc"], _unit),
-}  # fmt: skip
+def unit(estimates, **params) -> Estimate:
+    """O(1) values whatever the input (``exp``, ``logistic``, ``cos``)."""
+    return 1.0
 
 
 def propagate(
-    name: str, estimates: Sequence[Estimate], shapes: Sequence[tuple], params: dict
+    rule: EstimateRule | None,
+    estimates: Sequence[Estimate],
+    shapes: Sequence[tuple],
+    params: dict,
 ) -> Estimate:
-    """The estimate of a forwarded primitive's (first) output from its inputs' estimates.
+    """The estimate of a forwarded primitive's (first) output from its inputs' estimates, by
+    the primitive's estimate ``rule`` (None: no estimate).
 
     Example:
-        >>> propagate("mul", [2.0**-6, None], [(3,), (3,)], {})
+        >>> propagate(product, [2.0**-6, None], [(3,), (3,)], {})
         0.015625
     """
-    rule = _RULES.get(name)
     if rule is None:
         return None
     return rule(list(estimates), shapes=list(shapes), **params)

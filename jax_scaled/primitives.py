@@ -23,12 +23,6 @@ from jax_scaled.rules._common import (
     scale_f32,
 )
 
-set_scaling_p = jxi.Primitive("set_scaling")
-get_data_and_scale_p = jxi.Primitive("get_data_and_scale")
-get_data_and_scale_p.multiple_results = True
-stop_scaling_p = jxi.Primitive("stop_scaling")
-rebalance_p = jxi.Primitive("rebalance")
-
 
 def set_scaling(x, scale) -> jax.Array:
     """Give ``x`` the (power-of-two) ``scale``; its value is unchanged.
@@ -97,7 +91,7 @@ def _check_scalar(name: str, scale) -> None:
         raise ValueError(f"{name} needs a scalar scale, got shape {jnp.shape(scale)}.")
 
 
-# -- plain (outside scalify) semantics ------------------------------------------------------
+# -- the primitives: their plain (outside scalify) semantics --------------------------------
 
 
 def _set_scaling_impl(x, scale):
@@ -106,97 +100,17 @@ def _set_scaling_impl(x, scale):
 
 
 def _get_data_and_scale_impl(x):
-    return x, jnp.ones((), jnp.float32)
+    return [x, jnp.ones((), jnp.float32)]
 
 
 def _stop_scaling_impl(x, *, dtype):
     return jnp.asarray(x).astype(dtype)
 
 
-set_scaling_p.def_impl(_set_scaling_impl)
-get_data_and_scale_p.def_impl(_get_data_and_scale_impl)
-stop_scaling_p.def_impl(_stop_scaling_impl)
-rebalance_p.def_impl(_set_scaling_impl)
-
-set_scaling_p.def_abstract_eval(lambda x, scale: x)
-rebalance_p.def_abstract_eval(lambda x, factor: x)
-get_data_and_scale_p.def_abstract_eval(lambda x: (x, jxi.ShapedArray((), jnp.float32)))
-stop_scaling_p.def_abstract_eval(lambda x, *, dtype: jxi.ShapedArray(x.shape, dtype))
-
-jxi.mlir.register_lowering(set_scaling_p, jxi.mlir.lower_fun(_set_scaling_impl, False))
-jxi.mlir.register_lowering(rebalance_p, jxi.mlir.lower_fun(_set_scaling_impl, False))
-jxi.mlir.register_lowering(get_data_and_scale_p, jxi.mlir.lower_fun(_get_data_and_scale_impl, True))
-jxi.mlir.register_lowering(stop_scaling_p, jxi.mlir.lower_fun(_stop_scaling_impl, False))
-
-
-# -- differentiation: value-wise these are identities, so tangents pass through untouched ----
-
-
-def _identity_jvp(primals, tangents):
-    x, scale = primals
-    tangent = tangents[0]
-    out = set_scaling_p.bind(x, scale)
-    return out, (jxi.ad.instantiate_zeros(tangent) if type(tangent) is jxi.ad.Zero else tangent)
-
-
-def _rebalance_jvp(primals, tangents):
-    x, factor = primals
-    tangent = tangents[0]
-    return rebalance_p.bind(x, factor), (
-        jxi.ad.instantiate_zeros(tangent) if type(tangent) is jxi.ad.Zero else tangent
-    )
-
-
 def _get_data_and_scale_jvp(primals, tangents):
     (x,), (tangent,) = primals, tangents
     data, scale = get_data_and_scale_p.bind(x)
-    return (data, scale), (
-        tangent,
-        jxi.ad.Zero(jxi.ShapedArray((), jnp.float32).to_tangent_aval()),
-    )
-
-
-def _stop_scaling_jvp(primals, tangents, *, dtype):
-    (x,), (tangent,) = primals, tangents
-    out = stop_scaling_p.bind(x, dtype=dtype)
-    if type(tangent) is jxi.ad.Zero:
-        return out, jxi.ad.Zero(jxi.ShapedArray(x.shape, dtype).to_tangent_aval())
-    return out, tangent.astype(dtype)
-
-
-jxi.ad.primitive_jvps[set_scaling_p] = _identity_jvp
-jxi.ad.primitive_jvps[rebalance_p] = _rebalance_jvp
-jxi.ad.primitive_jvps[get_data_and_scale_p] = _get_data_and_scale_jvp
-jxi.ad.primitive_jvps[stop_scaling_p] = _stop_scaling_jvp
-
-
-def _identity_transpose(cotangent, x, scale):
-    return cotangent, None
-
-
-def _stop_scaling_transpose(cotangent, x, *, dtype):
-    return (cotangent.astype(x.aval.dtype),)
-
-
-jxi.ad.primitive_transposes[set_scaling_p] = _identity_transpose
-jxi.ad.primitive_transposes[rebalance_p] = _identity_transpose
-jxi.ad.primitive_transposes[stop_scaling_p] = _stop_scaling_transpose
-
-
-# -- batching: the scale must stay a scalar --------------------------------------------------
-
-
-def _scaled_batcher(primitive):
-    def batcher(args, dims):
-        (x, scale), (x_dim, scale_dim) = args, dims
-        if scale_dim is not jxi.NOT_MAPPED:
-            raise NotImplementedError(
-                f"{primitive.name} under vmap needs one scale for the whole batch; got a "
-                "batched scale. Map over the scale outside vmap, or use a per-example scalify."
-            )
-        return primitive.bind(x, scale), x_dim
-
-    return batcher
+    return (data, scale), (tangent, jxi.zero_tangent(scale))
 
 
 def _get_data_and_scale_batcher(args, dims):
@@ -205,14 +119,17 @@ def _get_data_and_scale_batcher(args, dims):
     return (data, scale), (x_dim, jxi.NOT_MAPPED)
 
 
-def _stop_scaling_batcher(args, dims, *, dtype):
-    return stop_scaling_p.bind(args[0], dtype=dtype), dims[0]
-
-
-jxi.batching.primitive_batchers[set_scaling_p] = _scaled_batcher(set_scaling_p)
-jxi.batching.primitive_batchers[rebalance_p] = _scaled_batcher(rebalance_p)
-jxi.batching.primitive_batchers[get_data_and_scale_p] = _get_data_and_scale_batcher
-jxi.batching.primitive_batchers[stop_scaling_p] = _stop_scaling_batcher
+# Value-wise identities (a cast for stop_scaling): tangents and cotangents pass through.
+set_scaling_p = jxi.define_primitive("set_scaling", _set_scaling_impl, straight_through=True)
+rebalance_p = jxi.define_primitive("rebalance", _set_scaling_impl, straight_through=True)
+stop_scaling_p = jxi.define_primitive("stop_scaling", _stop_scaling_impl, straight_through=True)
+get_data_and_scale_p = jxi.define_primitive(
+    "get_data_and_scale",
+    _get_data_and_scale_impl,
+    multiple_results=True,
+    jvp=_get_data_and_scale_jvp,
+    batcher=_get_data_and_scale_batcher,
+)
 
 
 # -- scale rules (under scalify) -------------------------------------------------------------

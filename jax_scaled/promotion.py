@@ -1,6 +1,6 @@
 """Promotion: plain values that meet a ScaledArray become ScaledArrays, exactly.
 
-The interpreter knows some plain values statically (see :class:`~jax_scaled.interpreter.Slot`):
+The interpreter knows some plain values statically (see :class:`~jax_scaled.facts.Slot`):
 a trace-time constant, a broadcast of a 0-d value, a magnitude estimate, or a value that is
 the same at any scale (zeros, infinities, NaNs). When such a value is an operand of a scale
 rule, it is split into data and a power-of-two scale without rounding: a constant by its
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from jax import lax
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.dtypes import compute_dtype
+from jax_scaled.facts import Slot
 from jax_scaled.memo import memoized
 from jax_scaled.pow2 import (
     EXPONENT_FIELD,
@@ -32,38 +33,36 @@ from jax_scaled.pow2 import (
     static_pow2_split,
 )
 
-if TYPE_CHECKING:
-    from jax_scaled.interpreter import Slot
-
 Value = Any  # jax.Array | ScaledArray
 
-# Primitives whose output scale is a product of the input scales. A scale-independent
-# operand (zeros, infinities; traced or constant) is promoted there at the scale that puts
-# the product at the smallest normal float32 scale: a zero product (``0 * x``, e.g. a
-# learning rate warming up from 0) then never dominates a later sum's scale, which would
-# otherwise take it as the sum's unit and push the other addend's data towards underflow.
-_MULTIPLICATIVE = {"mul", "div", "dot_general", "conv_general_dilated"}
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
 _SIGN_AND_MANTISSA = ~EXPONENT_FIELD
 _MAGNITUDE = np.uint32(0x7FFFFFFF)
 
 
-def promote_inputs(in_slots: list[Slot], primitive_name: str = "") -> list[Value]:
+def promote_inputs(in_slots: list[Slot], multiplicative: bool = False) -> list[Value]:
     """The operands of a scale rule: the slots' values, with every plain float value whose
     static facts allow it promoted to a ScaledArray (see :func:`promote`).
 
+    For a ``multiplicative`` primitive (its output scale a product of its input scales:
+    ``mul``, ``dot_general``, ...) a scale-independent operand (zeros, infinities) is promoted
+    at the scale that puts the product at the smallest normal float32 scale: a zero product
+    (``0 * x``, a learning rate warming up from 0) then never dominates a later sum's scale,
+    which would otherwise take it as the sum's unit and push the other addend's data towards
+    underflow. Elsewhere it takes the other operands' scale.
+
     Example:
-        >>> from jax_scaled.interpreter import Slot
+        >>> from jax_scaled.facts import Slot
         >>> x = scaled_array([1.0, 2.0], 4.0)
-        >>> _, two = promote_inputs([Slot(x), Slot(np.float32(6.0), constant=6.0)], "mul")
+        >>> _, two = promote_inputs([Slot(x), Slot(np.float32(6.0), constant=6.0)], True)
         >>> float(two.data), float(two.scale)
         (1.5, 4.0)
     """
     scale = next((s.value.scale for s in in_slots if s.is_scaled), None)
     if scale is None:
         return [s.value for s in in_slots]
-    if primitive_name in _MULTIPLICATIVE:  # computed only if a zero operand asks for it
+    if multiplicative:  # computed only if a zero operand asks for it
         reference = functools.cache(lambda: zero_factor_scale(scale))
     else:
         reference = lambda: scale  # noqa: E731
@@ -118,7 +117,7 @@ def promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) ->
     scale for values that are the same at any scale (zeros, infinities, NaNs).
 
     Example:
-        >>> from jax_scaled.interpreter import Slot
+        >>> from jax_scaled.facts import Slot
         >>> zeros = Slot(jnp.zeros(2), any_scale=True)
         >>> float(promote(zeros, lambda: np.float32(8.0), jnp.float32).scale)
         8.0

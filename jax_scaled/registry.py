@@ -1,21 +1,143 @@
-"""The scale-rule registry: which primitive is handled by which rule."""
+"""The primitive registry: one record per primitive, everything scalify knows about it.
+
+A :class:`PrimitiveRecord` holds a primitive's scale rule (or, for a primitive with
+sub-jaxprs, its higher-order rule), whether the rule also runs on plain operands, the
+properties the interpreter's plain-value facts and the promotion of plain operands rely on
+(:class:`Property`), how a static magnitude estimate propagates through it
+(:mod:`jax_scaled.estimates`) and how a trace-time constant folds through it
+(:mod:`jax_scaled.facts`). Records are keyed by primitive object. A rule module registers
+its primitives with :func:`register_scale_rule` or :func:`register_higher_order_rule`;
+families share a table and a loop.
+
+Example:
+    >>> from jax import lax
+    >>> record(lax.mul_p).has(Property.MULTIPLICATIVE), record(lax.mul_p).module
+    (True, 'jax_scaled.rules.elementwise')
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from collections.abc import Callable
 
 from jax_scaled._jax_internals import Primitive
 
-ScaleRule = Callable[..., object]
+ScaleRule = Callable[..., object]  # rule(*values, **params) -> outputs
+HigherOrderRule = Callable[..., list]  # rule(eqn, in_slots) -> out_slots
+EstimateRule = Callable[..., float | None]  # rule(estimates, *, shapes, **params) -> estimate
+FactRule = Callable[..., object]  # rule(eqn, in_slots, out) -> Slot (see jax_scaled.facts)
 
-_RULES: dict[Primitive, ScaleRule] = {}
-_ALWAYS_APPLIED: set[Primitive] = set()
+
+class Property(enum.Flag):
+    """What the interpreter may assume about a primitive, beyond its scale rule.
+
+    * ``SHAPE_ONLY``: moves data without changing values (``reshape``); a broadcast of a
+      scalar stays that broadcast.
+    * ``ELEMENTWISE``: applied to broadcasts of scalars, gives a broadcast of a scalar.
+    * ``ANY_SCALE_PRESERVING``: on scale-free inputs only (zeros, infinities, NaNs), its
+      output is scale-free too (a selection or reshuffle of such values).
+    * ``ABSORBING``: one scale-free factor makes the output scale-free (``0 * x``, ``x / 0``).
+    * ``MULTIPLICATIVE``: its output scale is a product of the input scales, so a
+      scale-free zero operand is promoted at the scale that keeps the product smallest.
+    * ``SELECTING``: every output element is one of the input elements (exact on data).
+    * ``ADDING``: its outputs are sums of its inputs.
+    * ``LAYOUT``: pure data layout (transposes, reshapes): what the transpose of a
+      contraction may contain besides the contraction.
+    * ``FACTS_INSIDE``: a call (``jit``) that is interpreted even on plain operands when
+      they carry facts, so that facts its body derives reach its outputs.
+    """
+
+    NONE = 0
+    SHAPE_ONLY = enum.auto()
+    ELEMENTWISE = enum.auto()
+    ANY_SCALE_PRESERVING = enum.auto()
+    ABSORBING = enum.auto()
+    MULTIPLICATIVE = enum.auto()
+    SELECTING = enum.auto()
+    ADDING = enum.auto()
+    LAYOUT = enum.auto()
+    FACTS_INSIDE = enum.auto()
+
+
+@dataclasses.dataclass
+class PrimitiveRecord:
+    """Everything scalify knows about one primitive (see the module docstring).
+
+    ``fold`` computes the primitive on trace-time scalar constants, exactly as XLA would
+    (numpy for the correctly rounded operations); ``facts`` replaces the generic fact
+    propagation of a forwarded equation (``reduce_sum`` of a broadcast scalar, casts).
+    """
+
+    primitive: Primitive
+    rule: ScaleRule | None = None
+    higher_order: HigherOrderRule | None = None
+    applies_to_unscaled: bool = False
+    properties: Property = Property.NONE
+    estimate: EstimateRule | None = None
+    fold: Callable | None = None
+    facts: FactRule | None = None
+
+    def has(self, properties: Property) -> bool:
+        """True if the primitive has all of ``properties``."""
+        return properties in self.properties
+
+    @property
+    def module(self) -> str | None:
+        """The module of the primitive's rule (None without one)."""
+        handler = self.higher_order or self.rule
+        return None if handler is None else handler.__module__
+
+
+_RECORDS: dict[Primitive, PrimitiveRecord] = {}
+
+
+def record(primitive: Primitive) -> PrimitiveRecord:
+    """The record of ``primitive``: an empty one (no rule, no property) if none is registered.
+
+    Example:
+        >>> from jax import lax
+        >>> record(lax.add_p).has(Property.ELEMENTWISE | Property.ADDING)
+        True
+    """
+    found = _RECORDS.get(primitive)
+    return found if found is not None else PrimitiveRecord(primitive)
+
+
+def declare(
+    primitive: Primitive,
+    *,
+    properties: Property = Property.NONE,
+    estimate: EstimateRule | None = None,
+    fold: Callable | None = None,
+    facts: FactRule | None = None,
+) -> PrimitiveRecord:
+    """Add properties to ``primitive``'s record (created if needed); returns the record.
+
+    Example:
+        >>> from jax.extend.core import Primitive
+        >>> halve_p = Primitive("halve")
+        >>> declare(halve_p, properties=Property.ELEMENTWISE).has(Property.ELEMENTWISE)
+        True
+    """
+    found = _RECORDS.setdefault(primitive, PrimitiveRecord(primitive))
+    found.properties |= properties
+    found.estimate = estimate or found.estimate
+    found.fold = fold or found.fold
+    found.facts = facts or found.facts
+    return found
 
 
 def register_scale_rule(
-    primitive: Primitive, *, applies_to_unscaled: bool = False
+    primitive: Primitive,
+    *,
+    applies_to_unscaled: bool = False,
+    properties: Property = Property.NONE,
+    estimate: EstimateRule | None = None,
+    fold: Callable | None = None,
+    facts: FactRule | None = None,
 ) -> Callable[[ScaleRule], ScaleRule]:
-    """Register the decorated function as the scale rule of ``primitive``.
+    """Register the decorated function as the scale rule of ``primitive``, with its record.
 
     A rule receives the equation's inputs (ScaledArrays and plain arrays) as positional
     arguments and the primitive's params as keyword arguments, and returns what the primitive
@@ -23,21 +145,39 @@ def register_scale_rule(
     Registering a primitive twice replaces the earlier rule. By default a rule only runs
     when some input is a ScaledArray (otherwise the primitive is bound as is); pass
     ``applies_to_unscaled=True`` for primitives that create scaled values from plain ones.
+    The other keywords fill the primitive's record (see :func:`declare`).
 
     Example:
         >>> from jax.extend.core import Primitive
         >>> double_p = Primitive("double")  # a user's own primitive
-        >>> @register_scale_rule(double_p)
+        >>> @register_scale_rule(double_p, properties=Property.ELEMENTWISE)
         ... def double_rule(x, **params):
         ...     return ScaledArray(x.data, x.scale * 2)
     """
 
     def register(rule: ScaleRule) -> ScaleRule:
-        _RULES[primitive] = rule
-        if applies_to_unscaled:
-            _ALWAYS_APPLIED.add(primitive)
-        else:
-            _ALWAYS_APPLIED.discard(primitive)
+        found = declare(primitive, properties=properties, estimate=estimate, fold=fold, facts=facts)
+        found.rule, found.applies_to_unscaled = rule, applies_to_unscaled
+        return rule
+
+    return register
+
+
+def register_higher_order_rule(
+    primitive: Primitive, *, properties: Property = Property.NONE
+) -> Callable[[HigherOrderRule], HigherOrderRule]:
+    """Register a rule ``(eqn, in_slots) -> out_slots`` for a primitive with sub-jaxprs
+    (``jit``, ``scan``, ...), which interprets them with
+    :func:`jax_scaled.interpreter.interpret_closed`.
+
+    Example:
+        >>> from jax_scaled import _jax_internals as jxi
+        >>> record(jxi.scan_p).higher_order is not None
+        True
+    """
+
+    def register(rule: HigherOrderRule) -> HigherOrderRule:
+        declare(primitive, properties=properties).higher_order = rule
         return rule
 
     return register
@@ -45,12 +185,7 @@ def register_scale_rule(
 
 def find_scale_rule(primitive: Primitive) -> ScaleRule | None:
     """The rule registered for ``primitive``, or None."""
-    return _RULES.get(primitive)
-
-
-def applies_to_unscaled(primitive: Primitive) -> bool:
-    """True if ``primitive``'s rule runs even when none of its inputs is scaled."""
-    return primitive in _ALWAYS_APPLIED
+    return record(primitive).rule
 
 
 def registered_primitives() -> dict[str, str]:
@@ -60,4 +195,25 @@ def registered_primitives() -> dict[str, str]:
         >>> "dot_general" in registered_primitives()
         True
     """
-    return {p.name: rule.__module__ for p, rule in sorted(_RULES.items(), key=lambda i: i[0].name)}
+    rules = [r for r in _RECORDS.values() if r.rule is not None]
+    return {r.primitive.name: r.rule.__module__ for r in sorted(rules, key=_name)}
+
+
+def higher_order_primitives() -> dict[str, str]:
+    """Names of the primitives interpreted recursively, with the module handling each.
+
+    Example:
+        >>> higher_order_primitives()["scan"]
+        'jax_scaled.rules.control_flow'
+    """
+    rules = [r for r in _RECORDS.values() if r.higher_order is not None]
+    return {r.primitive.name: r.higher_order.__module__ for r in sorted(rules, key=_name)}
+
+
+def records() -> list[PrimitiveRecord]:
+    """Every registered record, sorted by primitive name."""
+    return sorted(_RECORDS.values(), key=_name)
+
+
+def _name(found: PrimitiveRecord) -> str:
+    return found.primitive.name

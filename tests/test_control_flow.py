@@ -320,9 +320,9 @@ def test_carry_made_scaled_by_the_body_is_promoted_before_the_loop():
 def count_body_interpretations(monkeypatch, fn, *args) -> int:
     """How many times scalify interprets loop bodies while tracing ``fn``."""
     calls = []
-    interpret = control_flow._interpret_closed
+    interpret = control_flow.interpret_closed
     monkeypatch.setattr(
-        control_flow, "_interpret_closed", lambda *a: calls.append(1) or interpret(*a)
+        control_flow, "interpret_closed", lambda *a: calls.append(1) or interpret(*a)
     )
     jax.make_jaxpr(js.scalify(fn))(*args)
     return len(calls)

@@ -6,7 +6,7 @@ import linecache
 import math
 from collections.abc import Sequence
 
-from jax_scaled.diagnostics.records import ScaleRecord
+from jax_scaled.recording import ScaleRecord
 
 _GROUPINGS = (None, "record", "source")
 

@@ -45,6 +45,7 @@ from jax_scaled.pow2 import (
     static_pow2_exponent,
     static_pow2_round,
 )
+from jax_scaled.registry import Property, record
 
 DTypeLike = Any
 F32 = jnp.dtype(jnp.float32)
@@ -258,9 +259,9 @@ def accumulation_dtype(result: DTypeLike, scaling: str) -> jnp.dtype:
 # Backward contractions: JAX's transposes, traced on shapes, replayed on the cast values
 # ---------------------------------------------------------------------------------------
 
-# What a traced transpose may contain besides the contraction: layout only, no arithmetic
-# and no dtype-specific constant, so it replays unchanged on operands of any dtype.
-_LAYOUT = {"transpose", "rev", "reshape", "squeeze", "expand_dims", "broadcast_in_dim"}
+# What a traced transpose may contain besides the contraction: layout only (records with
+# the LAYOUT property), no arithmetic and no dtype-specific constant, so that it replays
+# unchanged on operands of any dtype.
 
 
 def _transpose(
@@ -288,8 +289,11 @@ def _transpose_jaxpr(
         return jax.linear_transpose(lambda b: contraction(other, b, accumulation), rhs)(g)[0]
 
     closed = jax.make_jaxpr(transposed)(rhs if wrt == 0 else lhs, out)
-    unexpected = {e.primitive.name for e in closed.jaxpr.eqns} - _LAYOUT
-    unexpected.discard(contraction.primitive.name)
+    unexpected = {
+        e.primitive.name
+        for e in closed.jaxpr.eqns
+        if e.primitive is not contraction.primitive and not record(e.primitive).has(Property.LAYOUT)
+    }
     if unexpected or closed.consts:
         raise NotImplementedError(
             f"the transpose of {contraction.primitive.name} contains {sorted(unexpected)}: it "

@@ -39,7 +39,6 @@ from jax_scaled.rules._common import compute_dtype, make_scale, rescale, scale_f
 
 NORMS = ("l1", "l2", "max")
 
-dynamic_rescale_p = jxi.Primitive("dynamic_rescale")
 
 
 def dynamic_rescale_l1(x: jax.Array) -> jax.Array:
@@ -165,20 +164,7 @@ def _identity(x, *, norm):
     return x
 
 
-def _identity_jvp(primals, tangents, *, norm):
-    (x,), (tangent,) = primals, tangents
-    return dynamic_rescale_p.bind(x, norm=norm), tangent
-
-
-def _batcher(args, dims, *, norm):
-    return dynamic_rescale_p.bind(args[0], norm=norm), dims[0]
-
-
-dynamic_rescale_p.def_impl(_identity)
-dynamic_rescale_p.def_abstract_eval(_identity)
-jxi.mlir.register_lowering(dynamic_rescale_p, jxi.mlir.lower_fun(_identity, False))
-jxi.ad.primitive_jvps[dynamic_rescale_p] = _identity_jvp
-jxi.batching.primitive_batchers[dynamic_rescale_p] = _batcher
+dynamic_rescale_p = jxi.define_primitive("dynamic_rescale", _identity, straight_through=True)
 
 
 # -- the scale rule --------------------------------------------------------------------------

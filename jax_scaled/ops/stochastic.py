@@ -56,7 +56,6 @@ from jax_scaled.rules._common import (
 RoundingMode = Literal["nearest", "stochastic"]
 ROUNDING_MODES = ("nearest", "stochastic")
 
-stochastic_round_p = jxi.Primitive("stochastic_round")
 
 
 def stochastic_round(x: jax.Array, dtype: jnp.dtype, key: jax.Array) -> jax.Array:
@@ -238,18 +237,6 @@ def _copy_sign(magnitude: jax.Array, sign_of: jax.Array) -> jax.Array:
 # -- the primitive: abstract evaluation, lowering, JVP, batching, scale rule ---------------
 
 
-def _abstract_eval(x, bits, *, dtype):
-    return jxi.ShapedArray(x.shape, dtype)
-
-
-def _jvp(primals, tangents, *, dtype):
-    (x, bits), (tangent, _) = primals, tangents
-    out = stochastic_round_p.bind(x, bits, dtype=dtype)
-    if type(tangent) is jxi.ad.Zero:
-        return out, jxi.ad.Zero(jxi.ShapedArray(x.shape, dtype).to_tangent_aval())
-    return out, lax.convert_element_type(tangent, dtype)  # straight-through
-
-
 def _batch(args, dims, *, dtype):
     """Elementwise: both operands with the batch axis first (an unbatched one broadcast)."""
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not jxi.NOT_MAPPED)
@@ -260,11 +247,10 @@ def _batch(args, dims, *, dtype):
     return stochastic_round_p.bind(x, bits, dtype=dtype), 0
 
 
-stochastic_round_p.def_impl(_round_impl)
-stochastic_round_p.def_abstract_eval(_abstract_eval)
-jxi.mlir.register_lowering(stochastic_round_p, jxi.mlir.lower_fun(_round_impl, False))
-jxi.ad.primitive_jvps[stochastic_round_p] = _jvp
-jxi.batching.primitive_batchers[stochastic_round_p] = _batch
+# Straight-through derivative: the rounding is not differentiated.
+stochastic_round_p = jxi.define_primitive(
+    "stochastic_round", _round_impl, straight_through=True, batcher=_batch
+)
 
 
 @register_scale_rule(stochastic_round_p)

@@ -71,7 +71,6 @@ def rescaled(x: jax.Array, rescale: str | None) -> jax.Array:
 
 # -- promote_plain: a plain array gets a scale from its statistics ----------------------------
 
-promote_plain_p = jxi.Primitive("promote_plain")
 
 
 def promote_plain(x: jax.Array) -> jax.Array:
@@ -88,19 +87,7 @@ def _identity(x):
     return x
 
 
-def _identity_jvp(primals, tangents):
-    return promote_plain_p.bind(primals[0]), tangents[0]
-
-
-def _batcher(args, dims):
-    return promote_plain_p.bind(args[0]), dims[0]
-
-
-promote_plain_p.def_impl(_identity)
-promote_plain_p.def_abstract_eval(_identity)
-jxi.mlir.register_lowering(promote_plain_p, jxi.mlir.lower_fun(_identity, False))
-jxi.ad.primitive_jvps[promote_plain_p] = _identity_jvp
-jxi.batching.primitive_batchers[promote_plain_p] = _batcher
+promote_plain_p = jxi.define_primitive("promote_plain", _identity, straight_through=True)
 
 
 @register_scale_rule(promote_plain_p, applies_to_unscaled=True)

@@ -1,6 +1,7 @@
 """Scale rules, one module per primitive family. Importing this package registers them all."""
 
 from jax_scaled.rules import (  # noqa: F401
+    calls,
     casts,
     collectives,
     complex,

@@ -23,7 +23,6 @@ from jax_scaled.registry import register_scale_rule
 
 DTypeLike = jnp.dtype | type
 
-saturate_p = jxi.Primitive("saturate")
 
 
 def saturate(x: jax.Array, dtype: DTypeLike) -> jax.Array:
@@ -68,20 +67,8 @@ def _saturate_impl(x: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
     return lax.clamp(low, x, high)
 
 
-def _saturate_jvp(primals, tangents, *, dtype):
-    (x,), (tangent,) = primals, tangents
-    return saturate_p.bind(x, dtype=dtype), tangent
-
-
-def _saturate_batcher(args, dims, *, dtype):
-    return saturate_p.bind(args[0], dtype=dtype), dims[0]
-
-
-saturate_p.def_impl(_saturate_impl)
-saturate_p.def_abstract_eval(lambda x, *, dtype: x)
-jxi.mlir.register_lowering(saturate_p, jxi.mlir.lower_fun(_saturate_impl, False))
-jxi.ad.primitive_jvps[saturate_p] = _saturate_jvp
-jxi.batching.primitive_batchers[saturate_p] = _saturate_batcher
+# Straight-through: the clip is not differentiated (a cast's rounding is not either).
+saturate_p = jxi.define_primitive("saturate", _saturate_impl, straight_through=True)
 
 
 @register_scale_rule(saturate_p)

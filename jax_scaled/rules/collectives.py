@@ -37,9 +37,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.interpreter import Slot, _plain_slot, interpret_jaxpr, register_higher_order_rule
+from jax_scaled.facts import Slot, plain_slot
+from jax_scaled.interpreter import interpret_jaxpr
 from jax_scaled.pow2 import MIN_SCALE_EXPONENT
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.registry import register_higher_order_rule, register_scale_rule
 from jax_scaled.rules._common import make_scale, rescale, safe_ratio, scale_f32, sqrt_pow2
 
 # ---------------------------------------------------------------------------------------
@@ -332,7 +333,7 @@ def _manual_axes(params: dict) -> tuple:
 def _body_slot(value: Any, estimate: float | None) -> Slot:
     if isinstance(value, ScaledArray):
         return Slot(value)
-    return dataclasses.replace(_plain_slot(value), estimate=estimate)
+    return dataclasses.replace(plain_slot(value), estimate=estimate)
 
 
 @register_higher_order_rule(jxi.shard_map_p)
@@ -387,7 +388,7 @@ def _as_pair(value: Any) -> tuple[jax.Array, jax.Array]:
 def _out_slot(data: jax.Array, scale: jax.Array, scaled: bool) -> Slot:
     if scaled:
         return Slot(ScaledArray.tree_unflatten(None, (data, scale)))
-    return _plain_slot(data)
+    return plain_slot(data)
 
 
 __all__ = ["replicated_like", "scaled_shardings"]

@@ -35,9 +35,7 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,15 +47,11 @@ from jax import lax
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
-from jax_scaled.interpreter import (
-    Slot,
-    _interpret_closed,
-    _plain_slot,
-    interpret_jaxpr,
-    register_higher_order_rule,
-)
+from jax_scaled.facts import Slot, plain_slot, rebound
+from jax_scaled.interpreter import interpret_closed, interpret_jaxpr
 from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_ratio
 from jax_scaled.promotion import promote
+from jax_scaled.registry import register_higher_order_rule
 from jax_scaled.rules._common import is_static, recentred_carry, rescale
 
 Value = Any  # jax.Array | ScaledArray
@@ -106,13 +100,7 @@ def _promote_plain(slot: Slot) -> ScaledArray:
 
 
 def _out_slot(value: Value) -> Slot:
-    return Slot(value) if isinstance(value, ScaledArray) else _plain_slot(value)
-
-
-def _rebound(slot: Slot, value: Value) -> Slot:
-    """``slot``'s static facts for ``value``, the same value seen inside a traced function."""
-    base = value if slot.base is slot.value else slot.base
-    return dataclasses.replace(slot, value=value, base=base)
+    return Slot(value) if isinstance(value, ScaledArray) else plain_slot(value)
 
 
 class _Mismatch(Exception):
@@ -212,11 +200,6 @@ def _conform_carries(carry_in: Sequence[Value], out: Sequence[Slot], token: obje
 # scan
 # ---------------------------------------------------------------------------------------
 
-# Stacked outputs of a scan whose rows have their own scales: the unified ScaledArray the
-# program sees -> (data, per-row scales), read back by a later scan that takes it as ``xs``.
-_ROW_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 @register_higher_order_rule(jxi.scan_p)
 def _scan_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     """``lax.scan`` with scaled consts, carries and xs; see the module docstring."""
@@ -239,7 +222,7 @@ def _run_scan(
 
     def body(carry, x):
         x_slots = [rebuild(v) for rebuild, v in zip(unscan, x, strict=True)]
-        outs = _interpret_closed(closed, [*consts, *_carry_slots(carry), *x_slots])
+        outs = interpret_closed(closed, [*consts, *_carry_slots(carry), *x_slots])
         new_carry = _conform_carries(carry, outs[:num_carry], token)
         packed = [_pack_y(o, invariant) for o in outs[num_carry:]]
         y_forms[:] = [unpack for _, unpack in packed]
@@ -260,10 +243,9 @@ def _scanned_form(slot: Slot) -> tuple[Any, Callable[[Any], Slot]]:
     """What ``lax.scan`` slices for an ``xs`` input, and how to rebuild one iteration's slot."""
     value = slot.value
     if not isinstance(value, ScaledArray):  # facts of a broadcast hold for each slice
-        return value, functools.partial(_rebound, slot)
-    rows = _ROW_SCALED.get(value)
-    if rows is not None:  # per-row scales of an earlier scan's output: no rescale needed
-        return rows, lambda row: Slot(ScaledArray._trusted(*row))
+        return value, functools.partial(rebound, slot)
+    if slot.rows is not None:  # per-row scales of an earlier scan's output: no rescale needed
+        return slot.rows, lambda row: Slot(ScaledArray._trusted(*row))
     return value.data, lambda data: Slot(ScaledArray._trusted(data, value.scale))
 
 
@@ -280,7 +262,7 @@ def _pack_y(slot: Slot, invariant: dict[int, jax.Array]) -> tuple[Any, Callable]
     """One iteration's output as scanned out, and how to rebuild the stacked slot."""
     value = slot.value
     if not isinstance(value, ScaledArray):
-        return value, _plain_slot
+        return value, plain_slot
     scale = value.scale
     if invariant.get(id(scale)) is scale or is_static(scale):
         return value.data, lambda data: Slot(ScaledArray._trusted(data, scale))
@@ -297,8 +279,7 @@ def _unify_rows(rows: tuple[jax.Array, jax.Array]) -> Slot:
         rescale(data, ratio.reshape(ratio.shape + (1,) * (data.ndim - 1))),
         common.astype(scales.dtype),
     )
-    _ROW_SCALED[unified] = rows
-    return Slot(unified)
+    return Slot(unified, rows=rows)
 
 
 # ---------------------------------------------------------------------------------------
@@ -318,10 +299,10 @@ def _while_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     def run(init_values: list, token: object) -> list[Slot]:
         def cond_fun(carry):
             slots = [*cond_consts, *_carry_slots(carry)]
-            return _interpret_closed(params["cond_jaxpr"], slots)[0].value
+            return interpret_closed(params["cond_jaxpr"], slots)[0].value
 
         def body_fun(carry):
-            outs = _interpret_closed(params["body_jaxpr"], [*body_consts, *_carry_slots(carry)])
+            outs = interpret_closed(params["body_jaxpr"], [*body_consts, *_carry_slots(carry)])
             return _conform_carries(carry, outs, token)
 
         return _carry_slots(lax.while_loop(cond_fun, body_fun, init_values))
@@ -363,8 +344,8 @@ def _run_switch(
 
     def branch_fn(number: int, branch: jxi.ClosedJaxpr) -> Callable:
         def run_branch(*values):
-            slots = [_rebound(s, v) for s, v in zip(operands, values, strict=True)]
-            outs = _interpret_closed(branch, slots)
+            slots = [rebound(s, v) for s, v in zip(operands, values, strict=True)]
+            outs = interpret_closed(branch, slots)
             if targets is not None:
                 return [_conform(o, t) for o, t in zip(outs, targets, strict=True)]
             found[number] = [_signature(o.value) for o in outs]
@@ -396,7 +377,7 @@ def _remat_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     params = eqn.params
 
     def body(*values):
-        slots = [_rebound(s, v) for s, v in zip(in_slots, values, strict=True)]
+        slots = [rebound(s, v) for s, v in zip(in_slots, values, strict=True)]
         return [s.value for s in interpret_jaxpr(params["jaxpr"], [], slots)]
 
     values = [s.value for s in in_slots]

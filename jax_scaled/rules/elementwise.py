@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_scaled import estimates
 from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
+from jax_scaled.facts import converted_fact
 from jax_scaled.pow2 import (
     EXPONENT_BIAS,
     MIN_SCALE_EXPONENT,
@@ -20,7 +22,7 @@ from jax_scaled.pow2 import (
     pow2_exponent,
     pow2_from_exponent,
 )
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.registry import Property, register_scale_rule
 from jax_scaled.rules._common import (
     Value,
     align,
@@ -58,24 +60,40 @@ def _add_or_sub(x, y, op, guard: bool) -> ScaledArray:
     return ScaledArray(wide.astype(x.dtype), make_scale(scale, x, y))
 
 
-@register_scale_rule(lax.add_p)
+# Property sets of this module's records (jax_scaled.registry.Property).
+_SUM = Property.ELEMENTWISE | Property.ANY_SCALE_PRESERVING | Property.ADDING
+_PRODUCT = Property.ELEMENTWISE | Property.ABSORBING | Property.MULTIPLICATIVE
+_SELECTION = Property.ANY_SCALE_PRESERVING | Property.SELECTING
+
+
+@register_scale_rule(lax.add_p, properties=_SUM, estimate=estimates.sum_of_squares, fold=np.add)
 def add_rule(x, y, **params):
     return _add_or_sub(x, y, lax.add, sums_guarded(x.dtype))
 
 
-@register_scale_rule(lax.sub_p)
+@register_scale_rule(
+    lax.sub_p,
+    properties=_SUM,
+    estimate=estimates.sum_of_squares,
+    fold=np.subtract,
+)
 def sub_rule(x, y, **params):
     return _add_or_sub(x, y, lax.sub, sums_guarded(x.dtype))
 
 
-@register_scale_rule(lax.mul_p)
+@register_scale_rule(
+    lax.mul_p,
+    properties=_PRODUCT | Property.ANY_SCALE_PRESERVING,
+    estimate=estimates.product,
+    fold=np.multiply,
+)
 def mul_rule(x, y, **params):
     x, y = as_scaled(x), as_scaled(y)
     scale = scale_mul(scale_f32(x), scale_f32(y))
     return ScaledArray(lax.mul_p.bind(x.data, y.data, **params), make_scale(scale, x, y))
 
 
-@register_scale_rule(lax.div_p)
+@register_scale_rule(lax.div_p, properties=_PRODUCT, estimate=estimates.quotient, fold=np.divide)
 def div_rule(x, y, **params):
     x, y = as_scaled(x), as_scaled(y)
     scale = _scale_div(scale_f32(x), scale_f32(y))
@@ -97,7 +115,12 @@ def _scale_div(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     return lax.div(as_float32(numerator), as_float32(denominator))
 
 
-@register_scale_rule(lax.neg_p)
+@register_scale_rule(
+    lax.neg_p,
+    properties=Property.ELEMENTWISE | _SELECTION,
+    estimate=estimates.first,
+    fold=np.negative,
+)
 def neg_rule(x, **params):
     return ScaledArray(-x.data, x.scale)
 
@@ -111,31 +134,40 @@ def _on_data(x: ScaledArray, primitive, **params) -> ScaledArray:
     return ScaledArray(primitive.bind(x.data, **params), make_scale(scale_f32(x), x))
 
 
-@register_scale_rule(lax.abs_p)
+@register_scale_rule(
+    lax.abs_p,
+    properties=Property.ELEMENTWISE | _SELECTION,
+    estimate=estimates.first,
+    fold=np.abs,
+)
 def abs_rule(x: ScaledArray, **params) -> ScaledArray:
     """Input scale: |d| * s."""
     return _on_data(x, lax.abs_p, **params)
 
 
-@register_scale_rule(lax.sign_p)
+@register_scale_rule(lax.sign_p, properties=Property.ELEMENTWISE, fold=np.sign)
 def sign_rule(x: ScaledArray, **params) -> ScaledArray:
     """Scale 1: sign(d * s) == sign(d) for a positive scale."""
     return ScaledArray(lax.sign(x.data), make_scale(np.ones((), np.float32), x))
 
 
-@register_scale_rule(lax.reduce_precision_p)
+@register_scale_rule(lax.reduce_precision_p, estimate=estimates.first)
 def reduce_precision_rule(x: ScaledArray, **params) -> ScaledArray:
     """Input scale; applied to the data (the emulated format's exponent range is the data's)."""
     return _on_data(x, lax.reduce_precision_p, **params)
 
 
-@register_scale_rule(lax.copy_p)
+@register_scale_rule(
+    lax.copy_p,
+    properties=Property.SHAPE_ONLY | _SELECTION,
+    estimate=estimates.first,
+)
 def copy_rule(x: ScaledArray, **params) -> ScaledArray:
     """Input scale; data and scale copied."""
     return ScaledArray(lax.copy_p.bind(x.data, **params), lax.copy_p.bind(x.scale, **params))
 
 
-@register_scale_rule(lax_primitives.stop_gradient_p)
+@register_scale_rule(lax_primitives.stop_gradient_p, estimate=estimates.first)
 def stop_gradient_rule(x: ScaledArray, **params) -> ScaledArray:
     """Input scale; no gradient flows through the data nor the scale."""
     stop = lax_primitives.stop_gradient_p
@@ -191,13 +223,23 @@ def _aligned(primitive, *xs: Value, **params) -> ScaledArray:
     return ScaledArray(primitive.bind(*datas, **params), make_scale(scale, *xs))
 
 
-@register_scale_rule(lax.max_p)
+@register_scale_rule(
+    lax.max_p,
+    properties=Property.ELEMENTWISE | _SELECTION,
+    estimate=estimates.largest,
+    fold=np.maximum,
+)
 def max_rule(x: Value, y: Value, **params) -> ScaledArray:
     """max(sx, sy): both aligned to it (rounding is monotone, so max commutes with it)."""
     return _aligned(lax.max_p, x, y, **params)
 
 
-@register_scale_rule(lax.min_p)
+@register_scale_rule(
+    lax.min_p,
+    properties=Property.ELEMENTWISE | _SELECTION,
+    estimate=estimates.largest,
+    fold=np.minimum,
+)
 def min_rule(x: Value, y: Value, **params) -> ScaledArray:
     """max(sx, sy): both aligned to it (rounding is monotone, so min commutes with it)."""
     return _aligned(lax.min_p, x, y, **params)
@@ -211,7 +253,7 @@ def _whole_case(which: jax.Array, cases: tuple[Value, ...]) -> ScaledArray:
     return ScaledArray(data, make_scale(scale, *cases))
 
 
-@register_scale_rule(lax.select_n_p)
+@register_scale_rule(lax.select_n_p, properties=_SELECTION, estimate=estimates.largest_case)
 def select_n_rule(which: jax.Array, *cases: Value, **params) -> ScaledArray:
     """Largest case scale (constants: see :func:`align_selection`); cases aligned, selected.
 
@@ -234,7 +276,7 @@ def select_n_rule(which: jax.Array, *cases: Value, **params) -> ScaledArray:
     )
 
 
-@register_scale_rule(lax.clamp_p)
+@register_scale_rule(lax.clamp_p, properties=_SELECTION, estimate=estimates.largest)
 def clamp_rule(lo: Value, x: Value, hi: Value, **params) -> ScaledArray:
     """Scale of x: the bounds are brought to it in float32, clamped, rounded once."""
     scale = scale_f32(x)
@@ -254,7 +296,11 @@ def nextafter_rule(x: Value, y: Value, **params) -> ScaledArray:
     return ScaledArray(lax.nextafter_p.bind(dx, dy, **params), make_scale(scale, x, y))
 
 
-@register_scale_rule(lax_primitives.add_jaxvals_p)
+@register_scale_rule(
+    lax_primitives.add_jaxvals_p,
+    properties=Property.ADDING,
+    estimate=estimates.sum_of_squares,
+)
 def add_any_rule(x: Value, y: Value, **params) -> ScaledArray:
     """Like add: sqrt(sx^2 + sy^2), pow2-rounded; range-guarded in float16/float8.
 
@@ -282,7 +328,7 @@ def _root_split(x: ScaledArray, n: int) -> tuple[jax.Array, jax.Array]:
     return times_scalar(_wide(x), pow2_from_exponent(lax.sub(exponent, lax.mul(k, np.int32(n))))), k
 
 
-@register_scale_rule(lax.integer_pow_p)
+@register_scale_rule(lax.integer_pow_p, properties=Property.ELEMENTWISE)
 def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     """Exact: scale s^y, data d^y (in float32, rounded once).
 
@@ -313,20 +359,20 @@ def _power_guard_exponent(x: ScaledArray, y: int) -> jax.Array | None:
     return lax.select(outside & (biased > 0), exponent, np.int32(0))
 
 
-@register_scale_rule(lax.square_p)
+@register_scale_rule(lax.square_p, properties=Property.ELEMENTWISE, fold=np.square)
 def square_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: scale s^2, data d^2 (in float32, rounded once)."""
     return integer_pow_rule(x, y=2)
 
 
-@register_scale_rule(lax.sqrt_p)
+@register_scale_rule(lax.sqrt_p, properties=Property.ELEMENTWISE)
 def sqrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(2k+r) gives scale 2^k, data sqrt(d * 2^r)."""
     data, k = _root_split(x, 2)
     return ScaledArray(lax.sqrt(data).astype(x.dtype), make_scale(pow2_from_exponent(k), x))
 
 
-@register_scale_rule(lax.rsqrt_p)
+@register_scale_rule(lax.rsqrt_p, properties=Property.ELEMENTWISE)
 def rsqrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(2k+r) gives scale 2^-k, data rsqrt(d * 2^r)."""
     data, k = _root_split(x, 2)
@@ -387,22 +433,23 @@ def _compare(primitive, x: Value, y: Value, **params) -> jax.Array:
     return primitive.bind(wide_data(x, scale), wide_data(y, scale), **params)
 
 
-def _register_comparison(primitive) -> None:
+def _register_comparison(primitive, properties: Property) -> None:
     def rule(x: Value, y: Value, **params) -> jax.Array:
         return _compare(primitive, x, y, **params)
 
     rule.__name__ = f"{primitive.name}_rule"
     rule.__doc__ = f"Plain bool: ``{primitive.name}`` of the values aligned in float32 (exact)."
-    register_scale_rule(primitive)(rule)
+    register_scale_rule(primitive, properties=properties)(rule)
 
 
+for _comparison in (lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p):
+    _register_comparison(_comparison, Property.SELECTING)
 # The *_to primitives compare in IEEE total order (jnp.searchsorted, jnp.interp).
-_TOTAL_ORDER = (lax_primitives.eq_to_p, lax_primitives.lt_to_p, lax_primitives.le_to_p)
-for _comparison in (lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p, *_TOTAL_ORDER):
-    _register_comparison(_comparison)
+for _comparison in (lax_primitives.eq_to_p, lax_primitives.lt_to_p, lax_primitives.le_to_p):
+    _register_comparison(_comparison, Property.NONE)
 
 
-@register_scale_rule(lax.is_finite_p)
+@register_scale_rule(lax.is_finite_p, properties=Property.SELECTING)
 def is_finite_rule(x: ScaledArray, **params) -> jax.Array:
     """Plain bool: finite data and finite scale."""
     return lax.is_finite_p.bind(x.data, **params) & lax.is_finite(scale_f32(x))
@@ -413,7 +460,11 @@ def is_finite_rule(x: ScaledArray, **params) -> jax.Array:
 # ---------------------------------------------------------------------------------------
 
 
-@register_scale_rule(lax.convert_element_type_p)
+@register_scale_rule(
+    lax.convert_element_type_p,
+    properties=Property.ANY_SCALE_PRESERVING,
+    facts=converted_fact,
+)
 def convert_element_type_rule(x: ScaledArray, *, new_dtype, **params) -> Value:
     """Float to float: data cast, scale kept. Else the value (float32) converted, plain.
 

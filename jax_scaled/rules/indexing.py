@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_scaled import estimates
 from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
 from jax_scaled.pow2 import static_pow2_round
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.registry import Property, register_scale_rule
 from jax_scaled.rules._common import (
     Value,
     align,
@@ -38,7 +39,9 @@ from jax_scaled.rules._common import (
 )
 
 
-@register_scale_rule(lax.dynamic_slice_p)
+@register_scale_rule(
+    lax.dynamic_slice_p, properties=Property.ANY_SCALE_PRESERVING, estimate=estimates.first
+)
 def dynamic_slice_rule(x: ScaledArray, *indices: Value, **params) -> ScaledArray:
     """Slice the data at the (plain) start indices; scale kept."""
     return ScaledArray(lax.dynamic_slice_p.bind(x.data, *indices, **params), x.scale)
@@ -52,7 +55,9 @@ def dynamic_update_slice_rule(x: Value, update: Value, *indices: Value, **params
     return ScaledArray(out, make_scale(scale, x, update))
 
 
-@register_scale_rule(lax.gather_p)
+@register_scale_rule(
+    lax.gather_p, properties=Property.ANY_SCALE_PRESERVING, estimate=estimates.first
+)
 def gather_rule(x: Value, indices: Value, *, fill_value=None, **params) -> ScaledArray:
     """Gather the data, scale kept; a finite non-zero fill value may raise the scale."""
     x = as_scaled(x)

@@ -15,9 +15,10 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
+from jax_scaled import estimates
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.registry import Property, register_scale_rule
 from jax_scaled.rules._common import (
     Value,
     as_scaled,
@@ -76,7 +77,9 @@ def _widened(x: jax.Array) -> jax.Array:
     return lax.convert_element_type(x, compute_dtype(x.dtype))
 
 
-@register_scale_rule(lax.dot_general_p)
+@register_scale_rule(
+    lax.dot_general_p, properties=Property.MULTIPLICATIVE, estimate=estimates.contraction
+)
 def dot_general_rule(x: Value, y: Value, *, dimension_numbers, **params) -> ScaledArray:
     """Scale ``sx * sy * sqrt(K)``, K the contraction size; data dot of the data / sqrt(K)."""
     (x_contract, _), _ = dimension_numbers
@@ -92,7 +95,7 @@ def dot_general_rule(x: Value, y: Value, *, dimension_numbers, **params) -> Scal
     return _contract(x, y, size, contract, out_dtype)
 
 
-@register_scale_rule(lax.conv_general_dilated_p)
+@register_scale_rule(lax.conv_general_dilated_p, properties=Property.MULTIPLICATIVE)
 def conv_general_dilated_rule(
     lhs: Value, rhs: Value, *, dimension_numbers, **params
 ) -> ScaledArray:

@@ -20,14 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_scaled import estimates
 from jax_scaled.array import ScaledArray
+from jax_scaled.facts import summed_fact
 from jax_scaled.pow2 import (
     MAX_SCALE_EXPONENT,
     MIN_SCALE_EXPONENT,
     pow2_exponent,
     pow2_from_exponent,
 )
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.registry import Property, register_scale_rule
 from jax_scaled.rules._common import (
     compute_dtype,
     from_compute,
@@ -62,7 +64,9 @@ def _times_pow2(x: jax.Array, exponent: jax.Array) -> jax.Array:
     )
 
 
-@register_scale_rule(lax.reduce_sum_p)
+@register_scale_rule(
+    lax.reduce_sum_p, properties=Property.ADDING, estimate=estimates.reduced_sum, facts=summed_fact
+)
 def reduce_sum_rule(x: ScaledArray, *, axes: tuple[int, ...], **params) -> ScaledArray:
     """Scale ``s * sqrt(N)``; data summed in float32 (or wider), divided by ``sqrt(N)``.
 
@@ -78,13 +82,17 @@ def reduce_sum_rule(x: ScaledArray, *, axes: tuple[int, ...], **params) -> Scale
     return guarded(wide, scale_mul(scale_f32(x), np.float32(sqrt_n)), x.dtype, x, divisor=sqrt_n)
 
 
-@register_scale_rule(lax.reduce_max_p)
+@register_scale_rule(
+    lax.reduce_max_p, properties=Property.ANY_SCALE_PRESERVING, estimate=estimates.first
+)
 def reduce_max_rule(x: ScaledArray, **params) -> ScaledArray:
     """Scale ``s``: the maximum of the data."""
     return _same_scale(x, lax.reduce_max_p.bind(x.data, **params))
 
 
-@register_scale_rule(lax.reduce_min_p)
+@register_scale_rule(
+    lax.reduce_min_p, properties=Property.ANY_SCALE_PRESERVING, estimate=estimates.first
+)
 def reduce_min_rule(x: ScaledArray, **params) -> ScaledArray:
     """Scale ``s``: the minimum of the data."""
     return _same_scale(x, lax.reduce_min_p.bind(x.data, **params))
@@ -117,7 +125,7 @@ def argmin_rule(x: ScaledArray, **params) -> jax.Array:
     return lax.argmin_p.bind(x.data, **params)
 
 
-@register_scale_rule(lax.cumsum_p)
+@register_scale_rule(lax.cumsum_p, estimate=estimates.first)
 def cumsum_rule(x: ScaledArray, *, axis: int, reverse: bool) -> ScaledArray:
     """Scale ``s * sqrt(N)`` with ``N`` the axis length; data cumsum in its dtype / sqrt(N)."""
     total = lax.cumsum_p.bind(x.data, axis=axis, reverse=reverse)
@@ -171,7 +179,7 @@ def cumlogsumexp_rule(x: ScaledArray, **params) -> ScaledArray:
     return from_compute(out, scale, x.dtype, x)
 
 
-@register_scale_rule(lax.sort_p)
+@register_scale_rule(lax.sort_p, estimate=estimates.first)
 def sort_rule(*operands, **params) -> list:
     """Each output keeps its operand's scale; scaled keys sort by data (scales are positive)."""
     datas = [o.data if isinstance(o, ScaledArray) else o for o in operands]

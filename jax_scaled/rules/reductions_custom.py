@@ -23,7 +23,7 @@ from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.registry import Property, record, register_scale_rule
 from jax_scaled.rules._common import (
     Value,
     align,
@@ -36,14 +36,10 @@ from jax_scaled.rules._common import (
     to_compute,
 )
 
-# Float primitives that commute with multiplying their float operands by one positive power
-# of two: selections (max, min, select_n, ...) and comparisons exactly; additions (``_ADDING``)
-# too, with the same rounding, but their results may outgrow their operands.
-_SELECTING = frozenset(
-    {"max", "min", "select_n", "neg", "abs", "clamp", "copy", "copy_p", "broadcast_in_dim",
-     "reshape", "squeeze", "eq", "ne", "lt", "le", "gt", "ge", "is_finite"}
-)  # fmt: skip
-_ADDING = frozenset({"add", "sub", "add_any"})
+# Float primitives commute with multiplying their float operands by one positive power of
+# two when their records say SELECTING (selections and comparisons: exactly) or ADDING (with
+# the same rounding, but their results may outgrow their operands).
+_COMMUTING = Property.SELECTING | Property.ADDING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +120,11 @@ def _trace_lanes(
                 return None
             origins.update(zip(eqn.outvars, map(_origin(origins), inner.jaxpr.outvars)))
             adds |= inner_adds
-        elif eqn.primitive.name in _SELECTING | _ADDING:
+        elif record(eqn.primitive).properties & _COMMUTING:
             lanes = set().union(*map(_origin(origins), float_in))
             join(lanes)
             origins.update((v, lanes) for v in eqn.outvars if _is_float_atom(v))
-            adds |= eqn.primitive.name in _ADDING
+            adds |= record(eqn.primitive).has(Property.ADDING)
         else:
             return None
     return adds

@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_scaled import estimates
 from jax_scaled._jax_internals import Primitive, optimization_barrier_p, split_p
 from jax_scaled.array import ScaledArray
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.registry import Property, register_scale_rule
 from jax_scaled.rules._common import (
     Value,
     align,
@@ -30,7 +31,7 @@ from jax_scaled.rules._common import (
 from jax_scaled.rules.elementwise import align_selection
 
 
-def _register_data_movement(primitive: Primitive) -> None:
+def _register_data_movement(primitive: Primitive, properties: Property) -> None:
     """Register a rule applying ``primitive`` to the data of its first input, scale kept."""
 
     def rule(x: ScaledArray, *args: Value, **params) -> ScaledArray:
@@ -38,19 +39,24 @@ def _register_data_movement(primitive: Primitive) -> None:
         return ScaledArray(primitive.bind(x.data, *args, **params), x.scale)
 
     rule.__name__ = rule.__qualname__ = f"{primitive.name}_rule"
-    register_scale_rule(primitive)(rule)
+    register_scale_rule(primitive, properties=properties, estimate=estimates.first)(rule)
 
 
-for _primitive in (
-    lax.reshape_p,
-    lax.squeeze_p,
-    lax.broadcast_in_dim_p,
-    lax.transpose_p,
-    lax.slice_p,
-    lax.rev_p,
-    lax.tile_p,
-):
-    _register_data_movement(_primitive)
+# Reshapes keep a broadcast of a scalar one (SHAPE_ONLY); all but tile keep scale-free values.
+_RESHAPE = (
+    Property.SHAPE_ONLY | Property.ANY_SCALE_PRESERVING | Property.SELECTING | Property.LAYOUT
+)
+_DATA_MOVEMENT = {
+    lax.reshape_p: _RESHAPE,
+    lax.squeeze_p: _RESHAPE,
+    lax.broadcast_in_dim_p: _RESHAPE,
+    lax.transpose_p: Property.ANY_SCALE_PRESERVING | Property.LAYOUT,
+    lax.slice_p: Property.ANY_SCALE_PRESERVING,
+    lax.rev_p: Property.ANY_SCALE_PRESERVING | Property.LAYOUT,
+    lax.tile_p: Property.NONE,
+}
+for _primitive, _properties in _DATA_MOVEMENT.items():
+    _register_data_movement(_primitive, _properties)
 
 
 def _joined(primitive: Primitive, xs: tuple[Value, ...], params: dict) -> ScaledArray:
@@ -71,7 +77,9 @@ def _joined(primitive: Primitive, xs: tuple[Value, ...], params: dict) -> Scaled
     return ScaledArray(primitive.bind(*datas, **params), make_scale(scale, *xs))
 
 
-@register_scale_rule(lax.concatenate_p)
+@register_scale_rule(
+    lax.concatenate_p, properties=Property.ANY_SCALE_PRESERVING, estimate=estimates.largest
+)
 def concatenate_rule(*xs: Value, **params) -> ScaledArray:
     """Concatenate the operands aligned to the largest scale (see :func:`_joined`)."""
     return _joined(lax.concatenate_p, xs, params)
@@ -97,7 +105,7 @@ if split_p is not None:
         return [ScaledArray(d, x.scale) for d in split_p.bind(x.data, **params)]
 
 
-@register_scale_rule(lax.pad_p)
+@register_scale_rule(lax.pad_p, properties=Property.ANY_SCALE_PRESERVING, estimate=estimates.first)
 def pad_rule(x: Value, padding_value: Value, **params) -> ScaledArray:
     """Pad at the operand's scale, raised to the padding value's if that is larger.
 

@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_scaled import estimates
 from jax_scaled.array import ScaledArray
 from jax_scaled.pow2 import pow2_exponent, pow2_reciprocal, static_pow2_round
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.registry import Property, register_scale_rule
 from jax_scaled.rules._common import (
     as_scaled,
     compute_dtype,
@@ -87,19 +88,19 @@ def _evaluate(primitive, x: Value, estimate: ScaleEstimate, params: dict, bound:
     return _resplit(value, estimate(scale_f32(x)), x.dtype, x, bound=bound)
 
 
-@register_scale_rule(lax.exp_p)
+@register_scale_rule(lax.exp_p, properties=Property.ELEMENTWISE, estimate=estimates.unit)
 def exp_rule(x: Value, **params) -> ScaledArray:
     """exp: output scale 1."""
     return _evaluate(lax.exp_p, x, _unit, params)
 
 
-@register_scale_rule(lax.exp2_p)
+@register_scale_rule(lax.exp2_p, properties=Property.ELEMENTWISE, estimate=estimates.unit)
 def exp2_rule(x: Value, **params) -> ScaledArray:
     """exp2: output scale 1."""
     return _evaluate(lax.exp2_p, x, _unit, params)
 
 
-@register_scale_rule(lax.cos_p)
+@register_scale_rule(lax.cos_p, estimate=estimates.unit)
 def cos_rule(x: Value, **params) -> ScaledArray:
     """cos: output scale 1."""
     return _evaluate(lax.cos_p, x, _unit, params)
@@ -111,13 +112,13 @@ def cosh_rule(x: Value, **params) -> ScaledArray:
     return _evaluate(lax.cosh_p, x, _unit, params)
 
 
-@register_scale_rule(lax.logistic_p)
+@register_scale_rule(lax.logistic_p, properties=Property.ELEMENTWISE, estimate=estimates.unit)
 def logistic_rule(x: Value, **params) -> ScaledArray:
     """logistic: output scale 1."""
     return _evaluate(lax.logistic_p, x, _unit, params)
 
 
-@register_scale_rule(lax.erfc_p)
+@register_scale_rule(lax.erfc_p, estimate=estimates.unit)
 def erfc_rule(x: Value, **params) -> ScaledArray:
     """erfc: output scale 1."""
     return _evaluate(lax.erfc_p, x, _unit, params)
@@ -135,7 +136,7 @@ def tan_rule(x: Value, **params) -> ScaledArray:
     return _evaluate(lax.tan_p, x, _linear, params)
 
 
-@register_scale_rule(lax.tanh_p)
+@register_scale_rule(lax.tanh_p, properties=Property.ELEMENTWISE)
 def tanh_rule(x: Value, **params) -> ScaledArray:
     """tanh: output scale min(s, 1)."""
     return _evaluate(lax.tanh_p, x, _linear, params)
@@ -165,13 +166,13 @@ def erf_inv_rule(x: Value, **params) -> ScaledArray:
     return _evaluate(lax.erf_inv_p, x, _linear, params, bound=6.0)
 
 
-@register_scale_rule(lax.expm1_p)
+@register_scale_rule(lax.expm1_p, properties=Property.ELEMENTWISE)
 def expm1_rule(x: Value, **params) -> ScaledArray:
     """expm1: output scale min(s, 1)."""
     return _evaluate(lax.expm1_p, x, _linear, params)
 
 
-@register_scale_rule(lax.log1p_p)
+@register_scale_rule(lax.log1p_p, properties=Property.ELEMENTWISE)
 def log1p_rule(x: Value, **params) -> ScaledArray:
     """log1p: output scale min(s, 1)."""
     return _evaluate(lax.log1p_p, x, _linear, params)
@@ -254,7 +255,7 @@ def _scale_exponent(x: ScaledArray) -> jax.Array:
     return pow2_exponent(scale_f32(x))
 
 
-@register_scale_rule(lax.log_p)
+@register_scale_rule(lax.log_p, properties=Property.ELEMENTWISE)
 def log_rule(x: Value, **params) -> ScaledArray:
     """log: log(m) + n·ln2 with data = m·2^k, n = k + log2 s exact; scale max(1, |ln s|)."""
     x = as_scaled(x)
@@ -340,7 +341,7 @@ def _pow2_estimate(log2_estimate: jax.Array) -> jax.Array:
     return round_scale(jnp.ldexp(fraction, whole.astype(jnp.int32)))
 
 
-@register_scale_rule(lax.pow_p)
+@register_scale_rule(lax.pow_p, properties=Property.ELEMENTWISE)
 def pow_rule(x: Value, y: Value, **params) -> ScaledArray:
     """pow: x^y = dx^y · 2^(ex·y - K) · 2^K (sx = 2^ex); output scale 2^K ~ sx^mean(y).
 

@@ -105,7 +105,7 @@ class SourceLocation:
     (e.g. ``<unknown location>``).
 
     Example:
-        >>> from jax_scaled.diagnostics.records import SourceLocation
+        >>> from jax_scaled.recording import SourceLocation
         >>> SourceLocation.parse("/src/model.py:12:8 (mlp)")
         SourceLocation(file='/src/model.py', line=12, function='mlp')
     """
