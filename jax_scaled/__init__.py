@@ -17,10 +17,11 @@ from jax_scaled.constants import ConstantPrecisionWarning
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dot_policy import ContractionSite, dot_formats, has_operand_shape
 from jax_scaled.interpreter import scalify
-from jax_scaled.pow2 import Rounding, pow2_round, pow2_split
 from jax_scaled.primitives import get_data_and_scale, rebalance, set_scaling, stop_scaling
 from jax_scaled.registry import register_scale_rule, registered_primitives
 from jax_scaled.rules.collectives import scaled_shardings
+from jax_scaled.scales.static import Rounding
+from jax_scaled.scales.traced import pow2_round, pow2_split
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,8 @@ import numpy as np
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_round, pow2_split
+from jax_scaled.scales.static import MIN_SCALE_EXPONENT
+from jax_scaled.scales.traced import pow2_round, pow2_split
 
 DTypeLike = Any
 

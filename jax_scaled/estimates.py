@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from jax_scaled.config import current_config
-from jax_scaled.pow2 import static_pow2_round
+from jax_scaled.scales.static import static_pow2_round
 
 Estimate = float | None
 EstimateRule = Callable[..., Estimate]  # rule(estimates, *, shapes, **params) -> estimate

@@ -23,15 +23,13 @@ from jax_scaled.config import current_config
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.facts import Slot
 from jax_scaled.memo import memoized
-from jax_scaled.pow2 import (
+from jax_scaled.scales.static import (
     EXPONENT_FIELD,
     MIN_SCALE_EXPONENT,
-    as_float32,
-    pow2_exponent,
-    pow2_from_exponent,
     static_pow2_bits,
     static_pow2_split,
 )
+from jax_scaled.scales.traced import as_float32, pow2_exponent, pow2_from_exponent
 
 Value = Any  # jax.Array | ScaledArray
 

@@ -19,6 +19,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import jax_scaled as js
+from jax_scaled.scales.static import is_pow2
 
 FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 MIN_EXP, MAX_EXP = -40, 40
@@ -136,7 +137,7 @@ def assert_pow2_scales(tree: Any) -> None:
     for leaf in js.tree.tree_leaves(tree):
         if isinstance(leaf, js.ScaledArray):
             scale = np.asarray(leaf.scale, np.float64)
-            assert np.all(js.pow2.is_pow2(scale) | (scale == 0)), f"scale {scale} not a power of 2"
+            assert np.all(is_pow2(scale) | (scale == 0)), f"scale {scale} not a power of 2"
 
 
 def assert_close(
@@ -317,7 +318,7 @@ def assert_static_or_guarded_scale(out: js.ScaledArray, static_scale: float) -> 
     """``out`` has the rule's static ``static_scale``, unless its data at that scale lies
     outside the range guard's band (:class:`jax_scaled.ScalifyConfig`), in which case the
     guard must have brought it into the band."""
-    from jax_scaled.rules._common import guard_band
+    from jax_scaled.scales.guard import guard_band
 
     if float(out.scale) == static_scale:
         return

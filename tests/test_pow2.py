@@ -8,14 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_scaled.pow2 import (
-    is_pow2,
+from jax_scaled.scales.static import is_pow2, static_pow2_round
+from jax_scaled.scales.traced import (
     pow2_reciprocal,
     pow2_round,
     pow2_round_positive,
     pow2_round_sqrt,
     pow2_split,
-    static_pow2_round,
 )
 
 FORMATS = [

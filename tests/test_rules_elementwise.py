@@ -21,7 +21,7 @@ from jax import lax
 
 import jax_scaled as js
 from jax_scaled._jax_internals import lax_primitives
-from jax_scaled.rules._common import guard_band
+from jax_scaled.scales.guard import guard_band
 
 
 def resolution(dtype, scale) -> float:

@@ -14,16 +14,12 @@ from hypothesis import strategies as st
 from jax import lax
 
 import jax_scaled as js
-from jax_scaled import interpreter, promotion
+from jax_scaled import facts, promotion
 from jax_scaled.config import current_config
 from jax_scaled.memo import memo_size, memoized, scale_memo
-from jax_scaled.pow2 import (
-    floor_divide_exponent,
-    pow2_from_exponent,
-    pow2_ratio,
-    static_pow2_split,
-)
-from jax_scaled.rules._common import (
+from jax_scaled.scales.static import static_pow2_split
+from jax_scaled.scales.traced import floor_divide_exponent, pow2_from_exponent, pow2_ratio
+from jax_scaled.scales.values import (
     from_compute,
     round_scale,
     scale_mul,
@@ -293,7 +289,7 @@ def test_trace_time_folding_matches_xla(name, dtype, a, b):
     primitive = getattr(lax, f"{name}_p")
     args = [np.asarray(a, dtype), np.asarray(b, dtype)][: 1 if name in UNARY else 2]
     closed = jax.make_jaxpr(lambda *xs: primitive.bind(*xs))(*args)
-    folded = interpreter._fold_constant(closed.jaxpr.eqns[0], args)
+    folded = facts.fold_constant(closed.jaxpr.eqns[0], args)
     expected = float(jax.jit(lambda *xs: primitive.bind(*xs))(*args))
     assert folded == expected or (np.isnan(folded) and np.isnan(expected))
 

@@ -16,14 +16,9 @@ from jax import lax
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.custom_scale import custom_scale
-from jax_scaled.pow2 import pow2_reciprocal
-from jax_scaled.rules._common import (
-    as_scaled,
-    compute_dtype,
-    make_scale,
-    round_scale,
-    scale_f32,
-)
+from jax_scaled.dtypes import compute_dtype
+from jax_scaled.scales.traced import pow2_reciprocal
+from jax_scaled.scales.values import as_scaled, make_scale, round_scale, scale_f32
 
 
 def _centered(x: jax.Array, center: bool) -> jax.Array:

@@ -18,10 +18,10 @@ import numpy as np
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.custom_scale import custom_scale
+from jax_scaled.dtypes import compute_dtype
 from jax_scaled.nn.linear import linear
-from jax_scaled.rules._common import (
+from jax_scaled.scales.values import (
     as_scaled,
-    compute_dtype,
     make_scale,
     scale_f32,
     scale_mul,

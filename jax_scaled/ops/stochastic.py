@@ -43,15 +43,10 @@ from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
+from jax_scaled.dtypes import compute_dtype
 from jax_scaled.registry import register_scale_rule
-from jax_scaled.rules._common import (
-    compute_dtype,
-    guard_factors,
-    make_scale,
-    scale_f32,
-    scale_mul,
-    times_scalar,
-)
+from jax_scaled.scales.guard import guard_factors
+from jax_scaled.scales.values import make_scale, scale_f32, scale_mul, times_scalar
 
 RoundingMode = Literal["nearest", "stochastic"]
 ROUNDING_MODES = ("nearest", "stochastic")

@@ -16,8 +16,8 @@ from jax_scaled.array import ScaledArray, as_scaled_array
 from jax_scaled.interpreter import scalify
 from jax_scaled.ops.rescale import dynamic_rescale_rule
 from jax_scaled.registry import register_scale_rule
-from jax_scaled.rules._common import as_scaled
 from jax_scaled.rules.casts import float_dtype, saturate
+from jax_scaled.scales.values import as_scaled
 from jax_scaled.tree import tree_leaves, tree_map
 
 DTypeLike = Any

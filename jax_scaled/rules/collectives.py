@@ -39,9 +39,9 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.facts import Slot, plain_slot
 from jax_scaled.interpreter import interpret_jaxpr
-from jax_scaled.pow2 import MIN_SCALE_EXPONENT
 from jax_scaled.registry import register_higher_order_rule, register_scale_rule
-from jax_scaled.rules._common import make_scale, rescale, safe_ratio, scale_f32, sqrt_pow2
+from jax_scaled.scales.static import MIN_SCALE_EXPONENT
+from jax_scaled.scales.values import make_scale, rescale, safe_ratio, scale_f32, sqrt_pow2
 
 # ---------------------------------------------------------------------------------------
 # Shardings of scaled values

@@ -26,7 +26,7 @@ from jax import lax
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.registry import register_scale_rule
-from jax_scaled.rules._common import Value, scale_f32, to_compute
+from jax_scaled.scales.values import Value, scale_f32, to_compute
 
 
 @register_scale_rule(lax.complex_p)

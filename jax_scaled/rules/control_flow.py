@@ -11,7 +11,7 @@ program keeps its structure, only the representation of its values changes.
   fixed point, usually reached at once). A scaled carry that the body returns plain is
   promoted inside the body. Constants keep their static facts in the body; carries do not.
   A carry with float32 data leaves each iteration with its largest datum within ``2^+-8``
-  of 1 (:func:`~jax_scaled.rules._common.recentred_carry`): no rule guards float32 data,
+  of 1 (:func:`~jax_scaled.scales.guard.recentred_carry`): no rule guards float32 data,
   and an estimate that is off compounds over the iterations.
 * **Stacked outputs** (``ys`` of scan): a loop-invariant scale (that of a constant or of
   ``xs``, kept by the body) is returned as is. Otherwise each iteration's scale is stacked and
@@ -49,10 +49,12 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.facts import Slot, plain_slot, rebound
 from jax_scaled.interpreter import interpret_closed, interpret_jaxpr
-from jax_scaled.pow2 import MIN_SCALE_EXPONENT, pow2_ratio
 from jax_scaled.promotion import promote
 from jax_scaled.registry import register_higher_order_rule
-from jax_scaled.rules._common import is_static, recentred_carry, rescale
+from jax_scaled.scales.guard import recentred_carry
+from jax_scaled.scales.static import MIN_SCALE_EXPONENT, is_static
+from jax_scaled.scales.traced import pow2_ratio
+from jax_scaled.scales.values import rescale
 
 Value = Any  # jax.Array | ScaledArray
 Signature = Any  # the scale dtype of a ScaledArray, or None for a plain value

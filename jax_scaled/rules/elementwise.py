@@ -13,45 +13,45 @@ from jax import lax
 from jax_scaled import estimates
 from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
+from jax_scaled.dtypes import compute_dtype
 from jax_scaled.facts import converted_fact
-from jax_scaled.pow2 import (
-    EXPONENT_BIAS,
-    MIN_SCALE_EXPONENT,
-    as_float32,
+from jax_scaled.registry import Property, register_scale_rule
+from jax_scaled.scales.guard import (
+    guard_band,
+    guarded,
+    largest_biased_exponent,
+    shift_into_scale,
+    sums_guarded,
+)
+from jax_scaled.scales.static import EXPONENT_BIAS, MIN_SCALE_EXPONENT, is_static
+from jax_scaled.scales.traced import (
     floor_divide_exponent,
     pow2_exponent,
     pow2_from_exponent,
 )
-from jax_scaled.registry import Property, register_scale_rule
-from jax_scaled.rules._common import (
+from jax_scaled.scales.values import (
     Value,
     align,
     as_scaled,
-    compute_dtype,
     from_compute,
-    guard_band,
-    guarded,
-    is_static,
-    largest_biased_exponent,
     make_scale,
     max_scale,
     min_scale,
     rounded_l2_scale,
     scale_f32,
     scale_mul,
-    shift_into_scale,
-    sums_guarded,
     times_scalar,
     to_compute,
     wide_data,
 )
+from jax_scaled.scales.xla import float_division
 
 
 def _add_or_sub(x, y, op, guard: bool) -> ScaledArray:
     """Unit-scaling estimate for a sum of independent terms: sqrt(sx^2 + sy^2).
 
     With ``guard``, the sum is formed in float32 and range-guarded
-    (:func:`~jax_scaled.rules._common.guarded`).
+    (:func:`~jax_scaled.scales.guard.guarded`).
     """
     scale = rounded_l2_scale(scale_f32(x), scale_f32(y))
     wide = op(wide_data(x, scale, pow2_target=True), wide_data(y, scale, pow2_target=True))
@@ -96,23 +96,8 @@ def mul_rule(x, y, **params):
 @register_scale_rule(lax.div_p, properties=_PRODUCT, estimate=estimates.quotient, fold=np.divide)
 def div_rule(x, y, **params):
     x, y = as_scaled(x), as_scaled(y)
-    scale = _scale_div(scale_f32(x), scale_f32(y))
+    scale = float_division(scale_f32(x), scale_f32(y))  # cuts scale chains: see scales.xla
     return ScaledArray(lax.div_p.bind(x.data, y.data, **params), make_scale(scale, x, y))
-
-
-def _scale_div(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-    """``numerator / denominator`` of scales, as a float division when traced.
-
-    Deliberately a float division, not :func:`~jax_scaled.pow2.pow2_ratio`: XLA will not copy
-    a division into the kernels that read it, and that keeps the chains of scale arithmetic
-    of a deep unrolled network from being copied into every later kernel (docs/benchmarks.md:
-    with an integer-only division the 3-layer unrolled transformer compiled to 189k HLO
-    instructions instead of 22k).
-    """
-    if is_static(numerator) and is_static(denominator):
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.float32(np.float32(numerator) / np.float32(denominator))
-    return lax.div(as_float32(numerator), as_float32(denominator))
 
 
 @register_scale_rule(

@@ -19,9 +19,9 @@ from jax.lax import linalg as lax_linalg
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray, asarray
-from jax_scaled.pow2 import floor_divide_exponent, pow2_exponent, pow2_from_exponent
 from jax_scaled.registry import register_scale_rule
-from jax_scaled.rules._common import Value, align, as_scaled, make_scale, rescale, scale_f32
+from jax_scaled.scales.traced import floor_divide_exponent, pow2_exponent, pow2_from_exponent
+from jax_scaled.scales.values import Value, align, as_scaled, make_scale, rescale, scale_f32
 
 
 @register_scale_rule(lax_linalg.svd_p)

@@ -24,13 +24,13 @@ from jax import lax
 from jax_scaled import estimates
 from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
-from jax_scaled.pow2 import static_pow2_round
+from jax_scaled.dtypes import compute_dtype
 from jax_scaled.registry import Property, register_scale_rule
-from jax_scaled.rules._common import (
+from jax_scaled.scales.static import static_pow2_round
+from jax_scaled.scales.values import (
     Value,
     align,
     as_scaled,
-    compute_dtype,
     make_scale,
     rounded_l2_scale,
     scale_f32,

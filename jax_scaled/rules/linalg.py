@@ -19,16 +19,8 @@ from jax_scaled import estimates
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.registry import Property, register_scale_rule
-from jax_scaled.rules._common import (
-    Value,
-    as_scaled,
-    guard_band,
-    guarded,
-    make_scale,
-    scale_f32,
-    scale_mul,
-    sqrt_pow2,
-)
+from jax_scaled.scales.guard import guard_band, guarded
+from jax_scaled.scales.values import Value, as_scaled, make_scale, scale_f32, scale_mul, sqrt_pow2
 
 
 def _contract(
@@ -37,7 +29,7 @@ def _contract(
     """Unit-scaling estimate: a sum of K unit products has scale sqrt(K).
 
     A narrow (float16, float8) result is accumulated and divided in float32, then cast once
-    with the range guard (:func:`~jax_scaled.rules._common.guarded`).
+    with the range guard (:func:`~jax_scaled.scales.guard.guarded`).
     """
     x, y = as_scaled(x), as_scaled(y)
     sqrt_k = sqrt_pow2(contraction_size)

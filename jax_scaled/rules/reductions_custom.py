@@ -23,13 +23,13 @@ from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
+from jax_scaled.dtypes import compute_dtype
 from jax_scaled.registry import Property, record, register_scale_rule
-from jax_scaled.rules._common import (
+from jax_scaled.scales.guard import guarded
+from jax_scaled.scales.values import (
     Value,
     align,
     as_scaled,
-    compute_dtype,
-    guarded,
     make_scale,
     scale_f32,
     sqrt_pow2,

@@ -16,19 +16,18 @@ from jax_scaled import estimates
 from jax_scaled._jax_internals import Primitive, optimization_barrier_p, split_p
 from jax_scaled.array import ScaledArray
 from jax_scaled.registry import Property, register_scale_rule
-from jax_scaled.rules._common import (
+from jax_scaled.rules.elementwise import align_selection
+from jax_scaled.scales.guard import guard_band, guarded
+from jax_scaled.scales.static import is_static
+from jax_scaled.scales.values import (
     Value,
     align,
     as_scaled,
-    guard_band,
-    guarded,
-    is_static,
     make_scale,
     max_scale,
     scale_f32,
     wide_data,
 )
-from jax_scaled.rules.elementwise import align_selection
 
 
 def _register_data_movement(primitive: Primitive, properties: Property) -> None:
@@ -64,7 +63,7 @@ def _joined(primitive: Primitive, xs: tuple[Value, ...], params: dict) -> Scaled
     (constants: ``align_selection``).
 
     With float16/float8 data and the range guard on, the operands are joined in float32
-    and the result is range-guarded (:func:`~jax_scaled.rules._common.guarded`): an
+    and the result is range-guarded (:func:`~jax_scaled.scales.guard.guarded`): an
     operand far below the largest scale keeps its precision (``glu``'s gradient at inputs
     around 2^20 joins one at scale 1 with one that is zero at scale 2^20).
     """

@@ -38,7 +38,8 @@ from jax import lax
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.registry import register_scale_rule
-from jax_scaled.rules._common import Value, as_scaled, guarded, to_compute
+from jax_scaled.scales.guard import guarded
+from jax_scaled.scales.values import Value, as_scaled, to_compute
 
 
 def _evaluate(primitive, *operands: Value, **params) -> ScaledArray:

@@ -32,19 +32,20 @@ from jax import lax
 
 from jax_scaled import estimates
 from jax_scaled.array import ScaledArray
-from jax_scaled.pow2 import pow2_exponent, pow2_reciprocal, static_pow2_round
+from jax_scaled.dtypes import compute_dtype
 from jax_scaled.registry import Property, register_scale_rule
-from jax_scaled.rules._common import (
+from jax_scaled.scales.static import is_static, static_pow2_round
+from jax_scaled.scales.traced import pow2_exponent, pow2_reciprocal
+from jax_scaled.scales.values import (
     as_scaled,
-    compute_dtype,
     from_compute,
-    is_static,
     make_scale,
     round_scale,
     scale_f32,
     to_compute,
     wide_data,
 )
+from jax_scaled.scales.xla import traced_one
 
 Value = Any  # jax.Array | ScaledArray
 ScaleEstimate = Callable[[jax.Array], jax.Array]
@@ -55,11 +56,7 @@ _LN2_LO = math.log(2.0) - _LN2_HI
 
 
 def _unit(s: jax.Array) -> jax.Array:
-    # Traced on purpose: a static 1 would let scale arithmetic chain uncut through softmax
-    # (a float division of traced scales, which XLA compiles once instead of copying it
-    # into every reader), and the deep unrolled transformer of benchmarks/trace_speed.py
-    # then compiles quadratically in depth (docs/benchmarks.md).
-    return jnp.ones_like(s)
+    return traced_one(s)  # not a static 1: see jax_scaled.scales.xla
 
 
 def _linear(s: jax.Array) -> jax.Array:

@@ -1,46 +1,38 @@
-"""Power-of-two arithmetic: exact mantissa/scale splits and power-of-two rounding.
+"""Traced power-of-two arithmetic on float32 scales: exponent-field operations with ``lax``.
 
-Every scale jax_scaled produces is an exact power of two in ``[2^-126, 2^127]``: the normal
-range of float32, which is also inside E8M0 (``float8_e8m0fnu``). Staying in that range keeps
-scales exact on backends that flush float32 subnormals (XLA's CPU backend does), and makes the
-float32 and E8M0 scale dtypes agree bit for bit.
+Scale rules run these on every traced scale of a scalified program, so they are written with
+``lax`` operations only (a ``jax.numpy`` operator costs a nested trace) and, where it keeps
+the compiled program lean, with integer operations on the float32 bits instead of float
+arithmetic (:mod:`jax_scaled.scales.xla` says why). Each function states its exactness: the
+splits and ratios are exact for powers of two in ``[2^-126, 2^127]``; the roundings return
+such a power of two.
 
-The splits work on the bits of the float32 representation, so they are exact for float32,
-float16, bfloat16 and every float8 format, subnormals included.
+Example:
+    >>> m, s = pow2_split(jnp.float16(-6.0))
+    >>> float(m), float(s), float(pow2_ratio(jnp.float32(2.0**-3), jnp.float32(2.0**5)))
+    (-1.5, 4.0, 0.00390625)
 """
 
 from __future__ import annotations
-
-import enum
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-MIN_SCALE_EXPONENT = -126
-MAX_SCALE_EXPONENT = 127
-
-_MANTISSA_BITS = 23
-EXPONENT_BIAS = 127  # float32's
-EXPONENT_FIELD = np.uint32(0xFF << _MANTISSA_BITS)  # float32's exponent bits: inf's pattern
-_SQRT2_MANTISSA_BITS = 0x3504F3  # mantissa bits of sqrt(2) in float32
-
-
-class Rounding(enum.StrEnum):
-    """How a positive value is rounded to a power of two.
-
-    ``DOWN`` (the default, as the scalify paper recommends), ``UP``, or ``NEAREST`` (in log2).
-    """
-
-    DOWN = "down"
-    UP = "up"
-    NEAREST = "nearest"
+from jax_scaled.scales.static import (
+    EXPONENT_BIAS,
+    EXPONENT_FIELD,
+    MANTISSA_BITS,
+    MAX_SCALE_EXPONENT,
+    MIN_SCALE_EXPONENT,
+    SQRT2_MANTISSA_BITS,
+    Rounding,
+)
 
 
 def _bits(x: jnp.ndarray) -> jnp.ndarray:
-    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return lax.bitcast_convert_type(lax.convert_element_type(x, jnp.float32), jnp.uint32)
 
 
 def as_float32(x) -> jax.Array | np.ndarray:
@@ -66,8 +58,8 @@ def biased_exponent(x: jnp.ndarray) -> jnp.ndarray:
         >>> int(biased_exponent(jnp.float32(3.0))) - EXPONENT_BIAS
         1
     """
-    bits = lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.float32), jnp.int32)
-    return lax.shift_right_logical(bits, np.int32(_MANTISSA_BITS))
+    bits = lax.bitcast_convert_type(as_float32(x), jnp.int32)
+    return lax.shift_right_logical(bits, np.int32(MANTISSA_BITS))
 
 
 def pow2_from_exponent(exponent: jnp.ndarray, clamp: bool = True) -> jnp.ndarray:
@@ -84,12 +76,12 @@ def pow2_from_exponent(exponent: jnp.ndarray, clamp: bool = True) -> jnp.ndarray
         exponent = np.asarray(exponent, np.int32)
         if clamp:
             exponent = np.clip(exponent, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
-        biased = (exponent + EXPONENT_BIAS).astype(np.uint32) << _MANTISSA_BITS
+        biased = (exponent + EXPONENT_BIAS).astype(np.uint32) << MANTISSA_BITS
         return np.asarray(biased).view(np.float32)
     if clamp:
         exponent = lax.clamp(MIN_SCALE_EXPONENT, exponent, MAX_SCALE_EXPONENT)
     biased = lax.convert_element_type(lax.add(exponent, np.int32(EXPONENT_BIAS)), jnp.uint32)
-    return lax.bitcast_convert_type(lax.shift_left(biased, np.uint32(_MANTISSA_BITS)), jnp.float32)
+    return lax.bitcast_convert_type(lax.shift_left(biased, np.uint32(MANTISSA_BITS)), jnp.float32)
 
 
 def floor_divide_exponent(exponent: jnp.ndarray, n: int) -> jnp.ndarray:
@@ -105,7 +97,8 @@ def floor_divide_exponent(exponent: jnp.ndarray, n: int) -> jnp.ndarray:
         return lax.shift_right_arithmetic(exponent, np.int32(n.bit_length() - 1))
     # Offset to a non-negative numerator, where lax.div's truncation is the floor.
     offset = -(MIN_SCALE_EXPONENT // n) + 1
-    return lax.div(exponent + np.int32(n * offset), np.int32(n)) - np.int32(offset)
+    shifted = lax.div(lax.add(exponent, np.int32(n * offset)), np.int32(n))
+    return lax.sub(shifted, np.int32(offset))
 
 
 def pow2_exponent(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
@@ -123,17 +116,17 @@ def pow2_exponent(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
     rounding = Rounding(rounding)
     # lax operations, not jax.numpy operators: scale rules call this on every traced scale,
     # and each jax.numpy operator costs a nested trace.
-    bits = _bits(jnp.asarray(x))
+    bits = _bits(x)
     biased = lax.convert_element_type(
-        lax.bitwise_and(lax.shift_right_logical(bits, np.uint32(_MANTISSA_BITS)), np.uint32(0xFF)),
+        lax.bitwise_and(lax.shift_right_logical(bits, np.uint32(MANTISSA_BITS)), np.uint32(0xFF)),
         jnp.int32,
     )
-    mantissa_bits = lax.bitwise_and(bits, np.uint32((1 << _MANTISSA_BITS) - 1))
+    mantissa_bits = lax.bitwise_and(bits, np.uint32((1 << MANTISSA_BITS) - 1))
     exponent = lax.sub(biased, np.int32(EXPONENT_BIAS))
     if rounding is Rounding.UP:
         round_up = lax.ne(mantissa_bits, np.uint32(0))
     elif rounding is Rounding.NEAREST:
-        round_up = lax.ge(mantissa_bits, np.uint32(_SQRT2_MANTISSA_BITS))
+        round_up = lax.ge(mantissa_bits, np.uint32(SQRT2_MANTISSA_BITS))
     if rounding is not Rounding.DOWN:
         exponent = lax.add(exponent, lax.convert_element_type(round_up, jnp.int32))
     exponent = _select(lax.eq(biased, np.int32(0)), MIN_SCALE_EXPONENT, exponent)
@@ -154,9 +147,14 @@ def pow2_round(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
     """
     x = jnp.asarray(x)
     scale = pow2_from_exponent(pow2_exponent(x, rounding))
-    magnitude_bits = _bits(x) & 0x7FFFFFFF  # bit test: subnormals compare equal to 0 on CPU
-    finite_nonzero = (magnitude_bits != 0) & (magnitude_bits < 0x7F800000)
+    # A bit test: subnormals compare equal to 0 on CPU.
+    magnitude_bits = lax.bitwise_and(_bits(x), np.uint32(0x7FFFFFFF))
+    finite_nonzero = lax.bitwise_and(
+        lax.ne(magnitude_bits, np.uint32(0)), lax.lt(magnitude_bits, EXPONENT_FIELD)
+    )
     return _select(finite_nonzero, scale, 1)
+
+
 
 
 def _select(condition: jnp.ndarray, on_true, on_false) -> jnp.ndarray:
@@ -191,99 +189,31 @@ def pow2_split(x, rounding: Rounding | str = Rounding.DOWN) -> tuple[jnp.ndarray
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"pow2_split needs a floating-point array, got dtype {x.dtype}.")
     scale = pow2_round(x, rounding)
-    mantissa = _exact_divide_by_pow2(x.astype(jnp.float32), scale)
-    return mantissa.astype(x.dtype), scale
+    mantissa = _exact_divide_by_pow2(lax.convert_element_type(x, jnp.float32), scale)
+    return lax.convert_element_type(mantissa, x.dtype), scale
 
 
 def _exact_divide_by_pow2(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
     """``x / scale`` for float32 ``x`` (maybe subnormal) and a normal power-of-two ``scale``."""
     bits = lax.bitcast_convert_type(x, jnp.uint32)
-    is_subnormal = ((bits >> _MANTISSA_BITS) & 0xFF) == 0
+    is_subnormal = lax.eq(lax.bitwise_and(bits, EXPONENT_FIELD), np.uint32(0))
     # A subnormal x is (sign) * m * 2^-149 with integer m < 2^23: rebuild it from its integer
     # mantissa so that no float operation ever sees the subnormal (flushed to zero on CPU).
-    sign = _select((bits >> 31) == 1, np.float32(-1), np.float32(1))
-    integer_mantissa = (bits & ((1 << _MANTISSA_BITS) - 1)).astype(jnp.float32)
-    from_subnormal = (
-        sign * integer_mantissa * np.float32(2.0**-23) * (np.float32(2.0**-126) / scale)
-    )
-    return _select(is_subnormal, from_subnormal, x / scale)
+    negative = lax.eq(lax.shift_right_logical(bits, np.uint32(31)), np.uint32(1))
+    sign = _select(negative, np.float32(-1), np.float32(1))
+    mantissa_field = lax.bitwise_and(bits, np.uint32((1 << MANTISSA_BITS) - 1))
+    integer_mantissa = lax.convert_element_type(mantissa_field, jnp.float32)
+    below_normal = lax.div(np.float32(2.0**-126), scale)
+    from_subnormal = lax.mul(lax.mul(sign, integer_mantissa), np.float32(2.0**-23) * below_normal)
+    return _select(is_subnormal, from_subnormal, lax.div(x, scale))
 
 
-def is_pow2(x) -> np.ndarray:
-    """True where ``x`` (a concrete array) is an exact positive power of two.
-
-    Example:
-        >>> bool(is_pow2(np.float32(0.125))), bool(is_pow2(np.float32(0.3)))
-        (True, False)
-    """
-    x = np.asarray(x, dtype=np.float64)
-    mantissa, _ = np.frexp(x)
-    return (x > 0) & np.isfinite(x) & (mantissa == 0.5)
 
 
-def static_pow2_round(value: float, rounding: Rounding | str = Rounding.DOWN) -> float:
-    """Trace-time :func:`pow2_round` of a Python float (same rounding and clamping).
-
-    Example:
-        >>> static_pow2_round(3.0), static_pow2_round(3.0, "up")
-        (2.0, 4.0)
-    """
-    rounding = Rounding(rounding)
-    value = abs(float(value))
-    if value == 0 or not np.isfinite(value):
-        return 1.0
-    mantissa, exponent = np.frexp(value)  # value = mantissa * 2**exponent, mantissa in [0.5, 1)
-    exponent -= 1
-    if rounding is Rounding.UP and mantissa != 0.5:
-        exponent += 1
-    elif rounding is Rounding.NEAREST and 2 * mantissa >= np.sqrt(2.0):
-        exponent += 1
-    return 2.0 ** int(np.clip(exponent, MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT))
-
-
-def static_pow2_split(value: float) -> tuple[float, float]:
-    """Trace-time :func:`pow2_split` (round down) of a Python float: ``(mantissa, scale)``.
-
-    Example:
-        >>> static_pow2_split(-6.0)
-        (-1.5, 4.0)
-    """
-    scale = static_pow2_round(value)
-    return float(value) / scale, scale
-
-
-def static_pow2_exponent(value: float) -> int:
-    """The integer ``e`` with ``value == 2^e``, for a static power of two.
-
-    Example:
-        >>> static_pow2_exponent(0.25), static_pow2_exponent(32.0)
-        (-2, 5)
-    """
-    mantissa, exponent = math.frexp(value)
-    if mantissa != 0.5:
-        raise ValueError(f"{value} is not a power of two")
-    return exponent - 1
-
-
-def static_pow2_bits(exponent: int) -> np.uint32:
-    """The float32 bit pattern of ``2^exponent`` (its exponent field) as a uint32 literal.
-    An exponent past float32's range gives a pattern past inf's (into the sign bit, still a
-    uint32), for arithmetic that subtracts back into range.
-
-    Example:
-        >>> hex(static_pow2_bits(0)), static_pow2_bits(128) == EXPONENT_FIELD
-        ('0x3f800000', np.True_)
-    """
-    return np.uint32((exponent + EXPONENT_BIAS) << _MANTISSA_BITS)
-
-
-# Added to the float32 bits of a positive value before masking out the mantissa: rounding
-# down adds nothing, up carries any non-zero mantissa into the exponent, nearest carries a
-# mantissa at or above sqrt(2).
 _ROUNDING_OFFSET = {
     Rounding.DOWN: 0,
-    Rounding.UP: (1 << _MANTISSA_BITS) - 1,
-    Rounding.NEAREST: (1 << _MANTISSA_BITS) - _SQRT2_MANTISSA_BITS,
+    Rounding.UP: (1 << MANTISSA_BITS) - 1,
+    Rounding.NEAREST: (1 << MANTISSA_BITS) - SQRT2_MANTISSA_BITS,
 }
 
 
@@ -322,7 +252,7 @@ def pow2_reciprocal(scale) -> jax.Array:
     bits = lax.bitcast_convert_type(as_float32(scale), jnp.int32)
     # 2^e has bits (e + 127) << 23 and 2^-e has (127 - e) << 23 = (254 << 23) - bits: never a
     # subnormal pattern; 2^127 gives 0 and an infinite scale is clamped to 0 as well.
-    reciprocal = lax.max(lax.sub(np.int32(254 << _MANTISSA_BITS), bits), np.int32(0))
+    reciprocal = lax.max(lax.sub(np.int32(254 << MANTISSA_BITS), bits), np.int32(0))
     return lax.bitcast_convert_type(reciprocal, jnp.float32)
 
 
@@ -347,7 +277,7 @@ def pow2_ratio(numerator, denominator) -> jax.Array:
     biased = lax.clamp(np.int32(0), difference, np.int32(254))
     biased = lax.select(lax.eq(d_biased, np.int32(0)), lax.full_like(biased, 255), biased)  # x/0
     biased = lax.select(lax.eq(n_biased, np.int32(0)), lax.full_like(biased, 0), biased)  # 0/y
-    return lax.bitcast_convert_type(lax.shift_left(biased, np.int32(_MANTISSA_BITS)), jnp.float32)
+    return lax.bitcast_convert_type(lax.shift_left(biased, np.int32(MANTISSA_BITS)), jnp.float32)
 
 
 def pow2_round_sqrt(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Array:
@@ -362,12 +292,15 @@ def pow2_round_sqrt(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Array:
         (2.0, 4.0)
     """
     rounding = Rounding(rounding)
-    bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
-    exponent = lax.shift_right_arithmetic(bits, np.int32(_MANTISSA_BITS)) - EXPONENT_BIAS
+    bits = lax.bitcast_convert_type(as_float32(x), jnp.int32)
+    exponent = lax.sub(
+        lax.shift_right_arithmetic(bits, np.int32(MANTISSA_BITS)), np.int32(EXPONENT_BIAS)
+    )
     if rounding is Rounding.UP:
-        inexact = (bits & np.int32((1 << _MANTISSA_BITS) - 1)) != 0
-        exponent = exponent + inexact.astype(jnp.int32) + 1
+        inexact = lax.ne(lax.bitwise_and(bits, np.int32((1 << MANTISSA_BITS) - 1)), np.int32(0))
+        exponent = lax.add(exponent, lax.add(lax.convert_element_type(inexact, jnp.int32), 1))
     elif rounding is Rounding.NEAREST:
-        exponent = exponent + 1
+        exponent = lax.add(exponent, np.int32(1))
     half = lax.shift_right_arithmetic(exponent, np.int32(1))
     return pow2_from_exponent(half)
+

@@ -1,0 +1,208 @@
+"""The range guard: keep narrow data (float16, float8) in range when static estimates drift.
+
+Static scale estimates assume independent terms; correlated ones (a bias gradient summed
+over a batch, attention logits of a trained model) make the data drift from unit scale.
+With :class:`~jax_scaled.ScalifyConfig` ``guard=True`` (the default), the rules whose
+estimate can drift read the largest output datum and, when it leaves the format's
+comfortable band (:func:`guard_band`), move a power of two into the scale (:func:`guarded`).
+Healthy data gets exactly the static result.
+
+Example:
+    >>> guard_band(jnp.float16), guard_band(jnp.float8_e4m3fn)
+    ((-8, 7, 3), (-3, 7, 6))
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_scaled.array import ScaledArray
+from jax_scaled.config import current_config
+from jax_scaled.scales.static import (
+    EXPONENT_BIAS,
+    EXPONENT_FIELD,
+    static_pow2_bits,
+    static_pow2_exponent,
+)
+from jax_scaled.scales.traced import biased_exponent, pow2_from_exponent
+from jax_scaled.scales.values import Value, make_scale, scale_f32, scale_mul, times_scalar
+from jax_scaled.scales.xla import largest_magnitude
+
+
+def guard_band(dtype) -> tuple[int, int, int] | None:
+    """``(low, high, target)`` exponents of the guard for data of ``dtype``, or None.
+
+    The largest datum ``2^e`` is left alone while ``low <= e < high``; outside, the data is
+    shifted to ``e = target``. None for formats with bfloat16's range or more, for
+    sub-byte formats (float4, float6), and when the guard is off
+    (:class:`~jax_scaled.ScalifyConfig`).
+
+    Example:
+        >>> guard_band(jnp.float16), guard_band(jnp.float8_e4m3fn), guard_band(jnp.float32)
+        ((-8, 7, 3), (-3, 7, 6), None)
+    """
+    info = jnp.finfo(dtype)
+    if not current_config().guard or info.maxexp > 64 or info.bits < 8:
+        return None  # wide formats need no guard; sub-byte ones have no room for a band
+    # 16-bit data may meet another multiplication: keep it near unit scale, and below the
+    # square root of its largest value, so that the product of two guarded data (x * x**2
+    # in a gelu's gradient) cannot overflow. 8-bit data goes into a matmul: use the top of its
+    # few bits of range, leaving one binade of headroom.
+    if info.bits > 8:
+        target, high = (info.maxexp - 1) // 4, info.maxexp // 2 - 1
+    else:
+        target = info.maxexp - 3
+        high = max(info.maxexp - 4, target + 1)
+    low = min(info.minexp + (info.maxexp - info.minexp) // 5, target)
+    return low, high, target
+
+
+def sums_guarded(dtype) -> bool:
+    """True when ``add`` and ``sub`` into ``dtype`` data get the range guard
+    (``ScalifyConfig.guard_sums``; ``add_any`` and joins have it whenever
+    :func:`guard_band` applies).
+
+    Example:
+        >>> sums_guarded(jnp.float16), sums_guarded(jnp.float32)
+        (False, False)
+    """
+    return current_config().guard_sums and guard_band(dtype) is not None
+
+
+# Loop carries with float32 (or wider) data: no rule guards them, and a static estimate that
+# is off by a factor compounds over the iterations (a polynomial iteration such as muon's
+# Newton-Schulz one drifts by 2^(3^n)). Keep their largest datum within 2^+-8 of 1: a
+# fifth power of the carry inside one iteration (muon) then stays in float32's range.
+WIDE_CARRY_BAND = (-8, 8, 0)
+
+
+def carry_band(dtype) -> tuple[int, int, int] | None:
+    """The guard band of a loop carry's data: :data:`WIDE_CARRY_BAND` for float32 and wider
+    (the narrow formats' rules guard their own outputs); None otherwise or with the guard off.
+
+    Example:
+        >>> carry_band(jnp.float32), carry_band(jnp.float16)
+        ((-8, 8, 0), None)
+    """
+    if not current_config().guard or jnp.finfo(dtype).maxexp <= 64:
+        return None
+    return WIDE_CARRY_BAND
+
+
+def recentred_carry(x: ScaledArray) -> ScaledArray:
+    """A loop carry with its float32 data brought back near unit scale when its largest
+    datum left :func:`carry_band` (the same value: the shift moves into the scale).
+
+    Example:
+        >>> x = recentred_carry(ScaledArray(jnp.array([2.0**40, 1.0]), jnp.float32(1.0)))
+        >>> x.data.tolist(), float(x.scale) == 2.0**40
+        ([1.0, 9.094947017729282e-13], True)
+    """
+    band = carry_band(x.data.dtype)
+    if band is None or x.data.size == 0:
+        return x
+    down, up = guard_factors(x.data, x.data.dtype, band=band)
+    data = lax.convert_element_type(times_scalar(x.data, down), x.data.dtype)
+    return ScaledArray(data, make_scale(scale_mul(scale_f32(x), up), x))
+
+
+def guard_factors(
+    wide: jax.Array, dtype, divisor_exponent: int = 0, band: tuple[int, int, int] | None = None
+) -> tuple[jax.Array, jax.Array] | None:
+    """``(down, up)``, two float32 powers of two with ``down * up == 2^-divisor_exponent``,
+    that range-guard ``wide / 2^divisor_exponent`` for a cast to the narrow ``dtype``
+    (:func:`guard_band`, or the ``band`` given): the data becomes ``wide * down`` and its
+    scale ``scale * up``. None where no guard applies.
+
+    When the largest datum ``2^e`` of ``wide / 2^divisor_exponent`` leaves the band, ``e``
+    is moved to the band's target; otherwise, and for data that is all zero or holds an
+    infinity, ``up`` is 1 (the static scale is kept). Worked out on the bits of the largest
+    magnitude, without branches or float division: XLA copies this scalar code into every
+    kernel that reads the guarded data, so every instruction counts
+    (``benchmarks/compile_breakdown.py``). The shift is clamped at ``2^-126`` so that both
+    factors stay normal floats.
+
+    Example:
+        >>> down, up = guard_factors(jnp.array([2.0**17, 2.0]), jnp.float16)
+        >>> float(down), float(up)
+        (6.103515625e-05, 16384.0)
+    """
+    band = guard_band(dtype) if band is None else band
+    if band is None or wide.size == 0:
+        return None
+    low, high, target = (e + divisor_exponent for e in band)
+    field = static_pow2_bits  # the exponent field of 2^e, as a uint32 literal
+    exponent_bits = lax.bitwise_and(
+        lax.bitcast_convert_type(largest_magnitude(wide), jnp.uint32), EXPONENT_FIELD
+    )
+    # Below the band but not zero, or above it but finite: two unsigned range tests, where
+    # a field under the range's start wraps around to a huge value.
+    outside = lax.bitwise_or(
+        lax.lt(lax.sub(exponent_bits, np.uint32(1)), np.uint32(field(low) - 1)),
+        lax.lt(lax.sub(exponent_bits, field(high)), np.uint32(EXPONENT_FIELD - field(high))),
+    )
+    # The exponent field moved to the target: the largest datum's (no lower than 2^-126
+    # times the target), or the target's own when nothing moves.
+    centre = lax.select(outside, lax.max(exponent_bits, field(target - 126)), field(target))
+    up = lax.sub(centre, field(target - EXPONENT_BIAS))
+    down = lax.sub(field(target + EXPONENT_BIAS - divisor_exponent), centre)
+    return lax.bitcast_convert_type(down, jnp.float32), lax.bitcast_convert_type(up, jnp.float32)
+
+
+def largest_biased_exponent(wide: jax.Array) -> jax.Array:
+    """The biased float32 exponent (int32) of the largest ``|datum|`` of ``wide``: ``e + 127``
+    for a largest magnitude in ``[2^e, 2^(e+1))``; 0 when every datum is zero (or a float32
+    subnormal), and 0 as well when a datum is infinite (data that has already overflowed
+    is not shifted). A NaN gives 0 or is ignored, depending on how XLA compiles the
+    reduction. It runs on every guarded output.
+
+    Example:
+        >>> int(largest_biased_exponent(jnp.array([0.75, -3.0]))) - 127
+        1
+        >>> int(largest_biased_exponent(jnp.array([0.75, jnp.inf])))
+        0
+    """
+    biased = biased_exponent(largest_magnitude(wide))
+    return lax.select(biased == 255, np.int32(0), biased)
+
+
+def shift_into_scale(
+    wide: jax.Array, scale: jax.Array, shift: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``(wide * 2^-shift, scale * 2^shift)``: the same value, ``shift`` (an int32 in
+    ``[-126, 126]``) moved from the data into the scale."""
+    down = pow2_from_exponent(lax.neg(shift), clamp=False)
+    return times_scalar(wide, down), scale_mul(scale, pow2_from_exponent(shift, clamp=False))
+
+
+def guarded(
+    wide: jax.Array, scale: jax.Array, dtype, *like: Value, divisor: float = 1.0
+) -> ScaledArray:
+    """A ScaledArray of ``wide / divisor * scale`` (``wide`` in the compute dtype, ``scale`` a
+    float32 power of two, ``divisor`` a static power of two) with data cast to ``dtype``,
+    range-guarded (:func:`guard_band`).
+
+    The guard reads ``wide`` itself and folds ``divisor`` into its factor: data and
+    division are one multiplication, and the largest magnitude is taken before it.
+
+    Example:
+        >>> x = guarded(jnp.array([2.0**17, 2.0]), jnp.float32(1.0), jnp.float16)
+        >>> x.data.tolist(), float(x.scale)
+        ([8.0, 0.0001220703125], 16384.0)
+        >>> y = guarded(jnp.array([8.0, 2.0]), jnp.float32(1.0), jnp.float16, divisor=4.0)
+        >>> y.data.tolist(), float(y.scale)
+        ([2.0, 0.5], 1.0)
+    """
+    divisor_exponent = static_pow2_exponent(divisor)
+    factors = guard_factors(wide, dtype, divisor_exponent)
+    if factors is None:
+        if divisor_exponent:
+            wide = times_scalar(wide, np.float32(2.0**-divisor_exponent))
+        return ScaledArray(lax.convert_element_type(wide, dtype), make_scale(scale, *like))
+    down, up = factors
+    data = lax.convert_element_type(times_scalar(wide, down), dtype)
+    return ScaledArray(data, make_scale(scale_mul(scale, up), *like))
+

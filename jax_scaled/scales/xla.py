@@ -1,0 +1,110 @@
+"""XLA-specific choices in scale arithmetic, and the measurements that justify them.
+
+The rules' scale arithmetic is a few scalar operations per equation, but XLA compiles a
+scalified program's scales along with its data, and some ways of writing the same math
+compile to programs several times larger or slower on XLA:CPU. Each choice below was
+measured with ``benchmarks/compile_breakdown.py`` and ``benchmarks/trace_speed.py``
+(``docs/benchmarks.md`` has the figures); the rest of the library writes the math and calls
+these helpers where the choice matters.
+
+* **Integer operations on exponent fields instead of float division**
+  (:func:`~jax_scaled.scales.traced.pow2_ratio`, ``pow2_reciprocal``): XLA fuses integer
+  and bit operations into the kernels that read them, while a float division of traced
+  scalars is compiled as a kernel of its own, once for every promoted operand.
+* **Except where a float division cuts a chain** (:func:`float_division`): XLA copies a
+  scalar chain into every kernel that reads it; a division is not copied, so it cuts the
+  chains of a deep unrolled network. Without it, the 3-layer unrolled transformer compiled
+  to 189k HLO instructions instead of 22k.
+* **A traced one** (:func:`traced_one`) where a rule's scale is 1 but its input's scale is
+  traced (``exp``, ``logistic``): a static 1 would let the scale arithmetic chain uncut
+  through softmax, and the unrolled transformer of ``benchmarks/trace_speed.py`` then
+  compiles quadratically in depth.
+* **An optimization barrier on traced output scales** (:func:`scale_barrier`): it keeps
+  XLA's simplifier from merging the chains of scalar arithmetic of a deep unrolled network.
+* **The largest magnitude of guarded data** (:func:`largest_magnitude`): one reduction kernel
+  instead of three, and ``abs`` fused into large reductions.
+
+Example:
+    >>> float(float_division(np.float32(1.0), np.float32(4.0)))
+    0.25
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_scaled import _jax_internals as jxi
+from jax_scaled.scales.static import is_static
+from jax_scaled.scales.traced import as_float32
+
+
+def float_division(numerator: Any, denominator: Any) -> Any:
+    """``numerator / denominator`` of float32 scales, as a float division when traced (see
+    the module notes); in numpy when both are static. Exact for powers of two in range.
+
+    Example:
+        >>> float(float_division(np.float32(2.0), np.float32(8.0)))
+        0.25
+    """
+    if is_static(numerator) and is_static(denominator):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.float32(np.float32(numerator) / np.float32(denominator))
+    return lax.div(as_float32(numerator), as_float32(denominator))
+
+
+def traced_one(scale: jax.Array) -> jax.Array:
+    """A traced 1 shaped like ``scale`` (see the module notes), a static 1 for a static one.
+
+    Example:
+        >>> float(traced_one(jnp.float32(8.0)))
+        1.0
+    """
+    return jnp.ones_like(scale)
+
+
+def scale_barrier(scale: Any) -> Any:
+    """``scale`` behind an ``optimization_barrier`` when traced (see the module notes).
+
+    Example:
+        >>> float(scale_barrier(np.float32(2.0)))
+        2.0
+    """
+    if not isinstance(scale, jxi.Tracer):
+        return scale
+    return lax.optimization_barrier(scale)
+
+
+# XLA:CPU hands a maximum over this many elements or more to its YNNPACK reduction, with
+# ``abs`` fused in; below, it splits the reduction in two kernels and materialises ``abs``.
+_LARGE_REDUCTION = 4096
+
+
+def largest_magnitude(wide: jax.Array) -> jax.Array:
+    """``max(|wide|)`` over all axes, written the way XLA compiles into the fewest kernels
+    (the guard adds one per guarded output, and on CPU each kernel costs compile time):
+    ``reduce_max(abs(x))`` for large arrays, one variadic reduction of the largest and
+    smallest datum for small ones (one kernel instead of three; measured in
+    ``benchmarks/compile_breakdown.py``).
+
+    Example:
+        >>> float(largest_magnitude(jnp.array([0.75, -3.0, 2.0])))
+        3.0
+    """
+    axes = tuple(range(wide.ndim))
+    if wide.size >= _LARGE_REDUCTION:
+        return lax.reduce_max(lax.abs(wide), axes)
+    lowest, highest = np.array(-np.inf, wide.dtype), np.array(np.inf, wide.dtype)
+    largest, smallest = lax.reduce((wide, wide), (lowest, highest), _max_and_min, axes)
+    return lax.max(largest, lax.neg(smallest))
+
+
+def _max_and_min(a: tuple, b: tuple) -> tuple:
+    return lax.max(a[0], b[0]), lax.min(a[1], b[1])
+
+
+
