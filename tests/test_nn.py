@@ -10,7 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jax_scaled as js
-from tests.helpers import assert_close, assert_pow2_scales, random_data, reference64
+from tests.helpers import (
+    assert_close,
+    assert_pow2_scales,
+    random_data,
+    reference32,
+    reference64,
+)
 
 MASK = jnp.tril(jnp.ones((4, 8), bool))
 
@@ -176,3 +182,102 @@ def test_float16_activation_gradients_are_accurate_at_any_scale(name, exponent, 
     assert out.dtype == jnp.float16  # plain for relu/leaky_relu: the mask alone depends on x
     assert_pow2_scales(out)
     assert_close(out, reference64(grad(theirs), x), jnp.float16, ulps=8, normwise=True)
+
+
+SCALED_BACKWARD = ["layer_norm", "rms_norm", "softmax", "masked_softmax", "log_softmax"]
+
+
+@pytest.mark.parametrize("name", SCALED_BACKWARD)
+@given(exponent=st.integers(-24, 24), seed=st.integers(0, 2**16))
+def test_float16_softmax_and_norm_gradients_are_accurate_at_any_scale(name, exponent, seed):
+    """The backward rules (softmax, norms) and log_softmax's automatic backward, against the
+    float32 program: a peaked softmax row's gradient ``p_i p_j (g_i - g_j)`` is below float32's
+    resolution of ``g`` at large input scales, in the float32 program as in ours."""
+    ours, theirs = PAIRS[name]
+    w = jnp.asarray(random_data(seed + 1, (4, 8), jnp.float16))
+
+    def grad(f):
+        def loss(x):
+            y = f(x).astype(jnp.float32)
+            return jnp.sum(jnp.where(jnp.isfinite(y), y * w.astype(jnp.float32), 0))
+
+        return jax.grad(loss)
+
+    x = js.scaled_array(_x(jnp.float16, seed), 2.0**exponent)
+    out = jax.jit(js.scalify(grad(ours)))(x)
+    assert isinstance(out, js.ScaledArray) and out.dtype == jnp.float16
+    assert_pow2_scales(out)
+    assert_close(out, reference32(grad(theirs), x), jnp.float16, ulps=16, normwise=True)
+
+
+def _peaked_logits(size, dtype, hot=(3,)):
+    """Rows of logits with ``hot`` entries 2^7 above the rest: nearly one-hot softmax rows."""
+    data = jnp.zeros((4, size), jnp.float32).at[:, list(hot)].set(8.0)
+    return js.scaled_array(data.astype(dtype), 16.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e5m2, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("size", [64, 1024, 2**16])
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_one_hot_softmax_never_overflows_its_data(dtype, size, guard):
+    """A probability 1 is data ``1 / scale``: the scale ``~1/N`` is clamped to what the
+    format holds (float16, E5M2: 2^15; E4M3, whose largest finite value is 448: 2^8)."""
+    softmax = js.scalify(js.nn.softmax, config=js.ScalifyConfig(guard=guard))
+    out = jax.jit(softmax)(_peaked_logits(size, dtype))
+    data = np.asarray(out.data, np.float32)
+    assert np.all(np.isfinite(data)) and out.dtype == dtype
+    assert_pow2_scales(out)
+    largest = 2.0 ** (jnp.finfo(dtype).maxexp - 1)
+    assert np.max(data) == min(largest, size)  # the static estimate 1/N, or the clamp
+    np.testing.assert_array_equal(np.asarray(js.asarray(out, jnp.float32))[:, 3], 1.0)
+
+
+@pytest.mark.parametrize("size", [1024, 2**14])
+def test_the_gradient_of_a_two_hot_softmax_is_guarded_against_overflow(size):
+    """``p (g - sum(p g))`` is up to ``max|g| / 4`` at two entries of 1/2: ``N / 4`` times its
+    static estimate ``scale(p) scale(g)``; the guard moves that into the scale."""
+    x = _peaked_logits(size, jnp.float16, hot=(3, 5))
+    w = jnp.zeros((4, size), jnp.float16).at[:, 3].set(100.0).at[:, 5].set(-100.0)
+
+    def grad(softmax):
+        return jax.grad(lambda x: jnp.sum(softmax(x).astype(jnp.float32) * w))
+
+    out = jax.jit(js.scalify(grad(js.nn.softmax)))(x)
+    assert np.all(np.isfinite(np.asarray(out.data, np.float32)))
+    assert_pow2_scales(out)
+    assert_close(out, reference64(grad(jax.nn.softmax), x), jnp.float16, ulps=8, normwise=True)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_peaked_attention_is_finite_and_accurate_in_float16(is_causal):
+    """Trained attention: logits ``q . k / sqrt(d)`` of aligned vectors, rows nearly one-hot."""
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 1024, 1, 16))
+    q = js.scaled_array(q.astype(jnp.float16), 4.0)  # diagonal logits about 256
+
+    def loss(q):
+        out = js.nn.dot_product_attention(q, q, q, is_causal=is_causal)
+        return jnp.sum(out.astype(jnp.float32) * jnp.linspace(-1, 1, 16))
+
+    def attention_and_grad(q):
+        return js.nn.dot_product_attention(q, q, q, is_causal=is_causal), jax.grad(loss)(q)
+
+    out, grad = jax.jit(js.scalify(attention_and_grad))(q)
+    want_out, want_grad = reference64(attention_and_grad, q)
+    assert_close(out, want_out, jnp.float16, ulps=16, normwise=True)
+    assert_close(grad, want_grad, jnp.float16, ulps=64, normwise=True)
+
+
+def test_scale_estimates_follow_the_unit_scaling_assumptions():
+    """softmax: e^0.5 / N; log_softmax and the cross-entropy loss: sqrt(log^2 N + (1 + 2 log N)
+    s^2); norms: 1 (input gradient: scale(g) / s), each rounded down to a power of two."""
+    x = js.scaled_array(jax.random.normal(jax.random.PRNGKey(0), (8, 1024), jnp.float16), 1.0)
+    labels = jax.nn.one_hot(jnp.arange(8), 1024, dtype=jnp.float16)
+    assert float(js.scalify(js.nn.softmax)(x).scale) == 2.0**-10  # e^0.5 / 1024 = 2^-9.3
+    assert float(js.scalify(js.nn.log_softmax)(x).scale) == 4.0  # 7.9
+    loss = js.scalify(js.nn.softmax_cross_entropy)(x, labels)
+    assert float(loss.scale) == 4.0
+    big = js.scaled_array(x.data, 2.0**20)
+    assert float(js.scalify(js.nn.log_softmax)(big).scale) == 2.0**21  # 3.9 * 2^20
+    assert float(js.scalify(js.nn.layer_norm)(big).scale) == 1.0
+    grad = js.scalify(jax.grad(lambda x: jnp.sum(js.nn.rms_norm(x).astype(jnp.float32))))(big)
+    assert float(grad.scale) == 2.0**-20
