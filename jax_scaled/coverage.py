@@ -187,7 +187,7 @@ def own_primitives() -> list[PrimitiveCoverage]:
         PrimitiveCoverage(r.primitive.name, RULE, r.module, record_properties(r.primitive))
         for r in records()
         if r.rule is not None and r.primitive.name not in lax_names
-        and r.module.startswith("jax_scaled.")
+        and (r.module or "").startswith("jax_scaled.")
     ]
 
 

@@ -162,7 +162,7 @@ def _architecture_example() -> str:
 
 @pytest.fixture(scope="module")
 def softsign_p():
-    namespace: dict = {}
+    namespace: dict = {"__name__": "docs_architecture_example"}
     exec(compile(_architecture_example(), "docs/architecture.md", "exec"), namespace)
     return namespace["softsign_p"]
 

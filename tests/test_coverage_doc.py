@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.extend.core import Primitive
 
 import jax_scaled as js
 from jax_scaled import coverage
@@ -141,3 +142,12 @@ def test_documented_status_is_what_scalify_does(name):
         assert status == coverage.RULE
         out = js.asarray(jax.jit(js.scalify(fn))(scaled))
         np.testing.assert_allclose(np.asarray(out), np.asarray(fn(x)), rtol=2e-6, atol=1e-7)
+
+
+def test_rules_defined_outside_any_module_do_not_break_the_document():
+    # A rule written in exec'd code (a notebook cell, a docs example) has no __module__.
+    orphan_p = Primitive("orphan_rule_test")
+    rule = eval("lambda x: x", {})  # noqa: S307 - a function whose __module__ is None
+    assert rule.__module__ is None
+    js.register_scale_rule(orphan_p)(rule)
+    assert "orphan_rule_test" not in coverage.generate()
