@@ -8,7 +8,7 @@ Example:
     4.0
 """
 
-from jax_scaled import diagnostics, nn, ops, optim, tree
+from jax_scaled import diagnostics, formats, nn, ops, optim, tree
 from jax_scaled import rules as _rules  # noqa: F401  (registers the scale rules)
 from jax_scaled.any_scale import ANY_SCALE
 from jax_scaled.array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
@@ -18,6 +18,7 @@ from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dot_policy import ContractionSite, dot_formats, has_operand_shape
 from jax_scaled.interpreter import scalify
 from jax_scaled.primitives import get_data_and_scale, rebalance, set_scaling, stop_scaling
+from jax_scaled.quantize import quantize
 from jax_scaled.registry import register_scale_rule, registered_primitives
 from jax_scaled.rules.collectives import scaled_shardings
 from jax_scaled.scales.static import Rounding
@@ -38,6 +39,7 @@ __all__ = [
     "diagnostics",
     "custom_scale",
     "dot_formats",
+    "formats",
     "get_data_and_scale",
     "has_operand_shape",
     "is_scaled_leaf",
@@ -46,6 +48,7 @@ __all__ = [
     "optim",
     "pow2_round",
     "pow2_split",
+    "quantize",
     "rebalance",
     "register_scale_rule",
     "registered_primitives",

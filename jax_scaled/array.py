@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.dtypes import compute_dtype
@@ -39,18 +41,43 @@ def _is_float_dtype(dtype) -> bool:
 class ScaledArray:
     """A tensor represented as ``data * scale``.
 
-    ``data`` holds the values in a (usually narrow) floating format; ``scale`` is a floating
-    array broadcastable to ``data``, in practice a power-of-two scalar. Shape and dtype are
-    those of ``data``: a ScaledArray stands in for an array of that shape and dtype.
+    ``data`` holds the values in a (usually narrow) floating format; ``scale`` holds exact
+    powers of two (float32, or E8M0: ``float8_e8m0fnu``). Shape and dtype are those of
+    ``data``: a ScaledArray stands in for an array of that shape and dtype.
+
+    The scale is either 0-d (one scale for the tensor) or a grid of **block scales**: the
+    data's rank, every data dimension a multiple of the scale's, so that each scale covers a
+    block of ``block_shape = data.shape // scale.shape`` elements. A per-channel scale is a
+    block spanning whole axes (a ``(M, N)`` weight with one scale per output column has
+    ``scale.shape == (1, N)``); MX formats are blocks of 32 along one axis
+    (:func:`~jax_scaled.quantize.quantize`). Block scales are float32 or E8M0.
 
     Construction is validated: ``data`` must be a floating array, ``scale`` a floating array
-    broadcastable to it. (Pytree unflattening skips validation, so JAX transformations can
-    carry placeholders and batched scales through it.)
+    of one of these two shapes, holding powers of two (or 0). (Pytree unflattening skips
+    validation, so JAX transformations can carry placeholders and batched scales through it.)
+
+    Under ``jax.vmap`` the pytree's two leaves, data and scale, are mapped like any leaves.
+    A block scale has the data's rank, so mapping both along the same axis (the default
+    ``in_axes=0``) gives each example the scales of its own blocks: the batch axis must be
+    unblocked (block size 1 there; else vmap reports inconsistent sizes). A 0-d scale cannot
+    be mapped: share it with ``in_axes`` built as
+    ``jax.tree.unflatten(jax.tree.structure(x), [0, None])``. A function that returns
+    per-tensor ScaledArrays under vmap stacks their 0-d scales into shape ``(B,)``, which is
+    not a valid scale of the stacked data: give such outputs block scales of shape
+    ``(1, ..., 1)`` instead (one block per example, stacked to ``(B, 1, ..., 1)``).
+
+    Under sharding, a block scale is sharded like its data
+    (:func:`~jax_scaled.rules.collectives.scaled_shardings`), so a shard holds the scales of
+    its own blocks; a sharding that would split a block is refused
+    (:func:`check_block_sharding`).
 
     Example:
         >>> x = ScaledArray(jnp.array([1.0, 1.5], jnp.float16), jnp.float32(0.25))
         >>> x.to_array()
         Array([0.25 , 0.375], dtype=float16)
+        >>> rows = ScaledArray(jnp.ones((2, 3)), jnp.array([[1.0], [4.0]]))  # one per row
+        >>> rows.block_shape, rows.to_array().tolist()
+        ((1, 3), [[1.0, 1.0, 1.0], [4.0, 4.0, 4.0]])
     """
 
     data: jax.Array
@@ -99,15 +126,30 @@ class ScaledArray:
     def aval(self) -> jxi.ShapedArray:
         return jxi.ShapedArray(self.shape, self.dtype)
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The elements one scale covers: ``data.shape // scale.shape``; the whole shape for
+        a 0-d scale (one block). Static.
+
+        Example:
+            >>> ScaledArray(jnp.ones((4, 64)), jnp.ones((4, 2), jnp.float32)).block_shape
+            (1, 32)
+        """
+        return block_shape_of(self.shape, np.shape(self.scale))
+
     def to_array(self, dtype: DTypeLike | None = None) -> jax.Array:
         """The represented value ``data * scale``, in ``dtype`` (default: the data dtype).
 
         The product is formed in float32 (or the data dtype if wider), then cast, so a value
-        representable in ``dtype`` is returned exactly.
+        representable in ``dtype`` is returned exactly. Block scales are repeated onto the
+        data's grid (:func:`expand_scale`): a power-of-two multiply per element, exact.
         """
         dtype = jnp.dtype(dtype or self.dtype)
         compute = jnp.promote_types(compute_dtype(self.dtype), compute_dtype(dtype))
-        value = self.data.astype(compute) * self.scale.astype(compute)
+        scale = self.scale.astype(compute)
+        if scale.ndim:  # block scales
+            scale = expand_scale(scale, self.shape)
+        value = self.data.astype(compute) * scale
         return value.astype(dtype)
 
     def astype(self, dtype: DTypeLike) -> ScaledArray:
@@ -143,14 +185,90 @@ def _check_scale(scale: Any, data: Any) -> None:
         )
     if not _is_float_dtype(scale.dtype):
         raise TypeError(f"ScaledArray scale must have a floating dtype, got {scale.dtype}.")
-    try:
-        broadcast = np.broadcast_shapes(tuple(scale.shape), tuple(data.shape))
-    except ValueError:
-        broadcast = None
-    if broadcast != tuple(data.shape):
+    if np.ndim(scale) != 0:
+        _check_block_scale(scale, data)
+
+
+BLOCK_SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e8m0fnu))
+
+
+def _check_block_scale(scale: Any, data: Any) -> None:
+    grid, shape = tuple(np.shape(scale)), tuple(np.shape(data))
+    tiles = len(grid) == len(shape) and all(
+        (g > 0 and n % g == 0) or n == g == 0 for n, g in zip(shape, grid)
+    )
+    if not tiles:
         raise ValueError(
-            f"ScaledArray scale of shape {tuple(scale.shape)} does not broadcast to data "
-            f"of shape {tuple(data.shape)}."
+            f"ScaledArray scale of shape {grid} does not tile data of shape {shape}: a scale "
+            "is 0-d (one scale for the tensor) or has the data's rank with every data "
+            "dimension a multiple of the scale's (block scales, block_shape = data.shape // "
+            "scale.shape; a per-row scale of a (M, N) array has shape (M, 1))."
+        )
+    if jnp.dtype(scale.dtype) not in BLOCK_SCALE_DTYPES:
+        raise TypeError(
+            f"ScaledArray block scales are stored as float32 or float8_e8m0fnu, got {scale.dtype}."
+        )
+
+
+def block_shape_of(shape: Sequence[int], scale_shape: Sequence[int]) -> tuple[int, ...]:
+    """The block shape of data of ``shape`` under a scale of ``scale_shape`` (0-d: ``shape``).
+
+    Example:
+        >>> block_shape_of((128, 256), (1, 8)), block_shape_of((4, 4), ())
+        ((128, 32), (4, 4))
+    """
+    if len(scale_shape) == 0:
+        return tuple(shape)
+    return tuple(n // g if g else 1 for n, g in zip(shape, scale_shape, strict=True))
+
+
+def expand_scale(scale: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """Block scales repeated onto the data grid of ``shape``: every element gets its block's
+    scale (exact: only copies). A 0-d scale is broadcast.
+
+    Example:
+        >>> expand_scale(jnp.array([[1.0, 2.0]]), (2, 4)).tolist()
+        [[1.0, 1.0, 2.0, 2.0], [1.0, 1.0, 2.0, 2.0]]
+    """
+    shape = tuple(shape)
+    if jnp.ndim(scale) == 0:
+        return jnp.broadcast_to(scale, shape)
+    blocks = block_shape_of(shape, scale.shape)
+    interleaved = [n for grid_and_block in zip(scale.shape, blocks) for n in grid_and_block]
+    dims = tuple(range(0, 2 * len(shape), 2))
+    return lax.broadcast_in_dim(scale, interleaved, dims).reshape(shape)
+
+
+def check_block_sharding(x: ScaledArray, sharding: Any) -> None:
+    """Refuse a sharding of ``x``'s data that splits one of its scale blocks.
+
+    ``sharding`` is a ``jax.sharding.Sharding`` (a ``NamedSharding``, ...) of the data. A
+    block must lie within one shard, so that each device holds whole blocks and their scales
+    (a block scale is sharded like its data): along every axis, the shard's length must be
+    a multiple of the block's. A 0-d scale (replicated) and other placements (a device,
+    ``None``, a ``PartitionSpec`` without a mesh) pass unchecked.
+
+    Example:
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+        >>> x = ScaledArray(jnp.ones((4, 64)), jnp.ones((1, 2), jnp.float32))  # (4, 32) blocks
+        >>> check_block_sharding(x, NamedSharding(mesh, P(None, "x")))  # 32 columns a shard
+        >>> try:  # 2 of a block's 4 rows on each device
+        ...     check_block_sharding(x, NamedSharding(mesh, P("x", None)))
+        ... except ValueError as error:
+        ...     print("refused:", "splits the scale blocks" in str(error))
+        refused: True
+    """
+    if np.ndim(x.scale) == 0 or not isinstance(sharding, jax.sharding.Sharding):
+        return
+    shard = sharding.shard_shape(x.shape)
+    split = [d for d, (n, b) in enumerate(zip(shard, x.block_shape)) if n % b]
+    if split:
+        raise ValueError(
+            f"sharding {sharding} splits the scale blocks of a ScaledArray of shape {x.shape} "
+            f"(blocks {x.block_shape}, shards {tuple(shard)}) along axes {split}: a block must "
+            "lie within one shard. Shard those axes over fewer devices, or use blocks that "
+            "divide the shards."
         )
 
 

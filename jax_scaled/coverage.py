@@ -108,6 +108,27 @@ class PrimitiveCoverage:
     status: str
     detail: str
     properties: str = ""
+    blocks: str = ""
+
+
+def block_behaviour(primitive: jxi.Primitive) -> str:
+    """What ``primitive``'s rule does with block-scaled operands (:mod:`jax_scaled.blocks`).
+
+    Example:
+        >>> from jax import lax
+        >>> block_behaviour(lax.mul_p), block_behaviour(lax.dot_general_p)
+        ('keeps (per block)', 'consumes')
+    """
+    found = record(primitive)
+    if found.rule is None and found.higher_order is None:
+        return ""
+    if found.block_behaviour is not None:
+        return found.block_behaviour
+    if found.has(Property.POINTWISE):
+        return "keeps (per block)"
+    if found.higher_order is not None:
+        return "passed to the body" if found.has(Property.BLOCKS_INSIDE) else "falls back"
+    return "falls back"
 
 
 def record_properties(primitive: jxi.Primitive) -> str:
@@ -116,7 +137,7 @@ def record_properties(primitive: jxi.Primitive) -> str:
     Example:
         >>> from jax import lax
         >>> record_properties(lax.mul_p)
-        'elementwise, any-scale preserving, absorbing, multiplicative, estimate, fold'
+        'elementwise, any-scale preserving, absorbing, multiplicative, pointwise, estimate, fold'
     """
     found = record(primitive)
     names = [_PROPERTY_NAMES[p] for p in _PROPERTY_NAMES if p in found.properties]
@@ -134,6 +155,7 @@ _PROPERTY_NAMES = {
     Property.ADDING: "adding",
     Property.LAYOUT: "layout",
     Property.FACTS_INSIDE: "facts inside",
+    Property.POINTWISE: "pointwise",
 }
 
 
@@ -169,7 +191,10 @@ def lax_coverage() -> list[PrimitiveCoverage]:
     primitives = jxi.all_lax_primitives()
     return [
         PrimitiveCoverage(
-            name, *primitive_status(name, rules, higher_order), record_properties(primitives[name])
+            name,
+            *primitive_status(name, rules, higher_order),
+            record_properties(primitives[name]),
+            block_behaviour(primitives[name]),
         )
         for name in sorted(primitives)
     ]
@@ -184,7 +209,10 @@ def own_primitives() -> list[PrimitiveCoverage]:
     """
     lax_names = set(jxi.all_lax_primitives())
     return [
-        PrimitiveCoverage(r.primitive.name, RULE, r.module, record_properties(r.primitive))
+        PrimitiveCoverage(
+            r.primitive.name, RULE, r.module, record_properties(r.primitive),
+            block_behaviour(r.primitive),
+        )  # fmt: skip
         for r in records()
         if r.rule is not None and r.primitive.name not in lax_names
         and (r.module or "").startswith("jax_scaled.")
@@ -218,6 +246,12 @@ def _header(lax: Sequence[PrimitiveCoverage]) -> list[str]:
         "`jax._src.lax` and `jax._src.random`), with the rules registered by "
         "`import jax_scaled`.",
         "",
+        "- **block scales**: what the rule does with block-scaled operands: keeps them "
+        "(layout ops, reductions along other axes), keeps them per block (pointwise "
+        "primitives: the rule runs on every block), consumes them (a contraction over "
+        "blocked axes), passes them to the body (calls: `jit`, checkpoint, custom "
+        "derivatives) or falls back to one scale per tensor (recorded and warned; loops, "
+        "`cond` and `shard_map` too).",
         "- **record properties**: what the interpreter may assume about the primitive "
         "besides its rule (`jax_scaled.registry.Property`), and whether its record says how a "
         "static magnitude estimate propagates (estimate) or how a trace-time constant folds "
@@ -242,9 +276,11 @@ def _header(lax: Sequence[PrimitiveCoverage]) -> list[str]:
 
 
 def _table(rows: Sequence[PrimitiveCoverage]) -> list[str]:
-    body = [f"| `{c.name}` | {c.status} | {_detail(c)} | {c.properties} |" for c in rows]
-    header = "| primitive | status | handled by / why | record properties |"
-    return [header, "| --- | --- | --- | --- |", *body]
+    body = [
+        f"| `{c.name}` | {c.status} | {_detail(c)} | {c.properties} | {c.blocks} |" for c in rows
+    ]
+    header = "| primitive | status | handled by / why | record properties | block scales |"
+    return [header, "| --- | --- | --- | --- | --- |", *body]
 
 
 def _detail(c: PrimitiveCoverage) -> str:

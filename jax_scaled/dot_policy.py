@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
+from jax_scaled.nn.block_linear import BlockRecipe, block_linear, untiled_axes
 from jax_scaled.nn.cast_contraction import (
     SCALINGS,
     CastFormats,
@@ -150,7 +151,14 @@ def dot_formats(
             (primitive, operand shapes and dtypes, dimension numbers, source line), or a
             sequence of operand shapes (see :func:`has_operand_shape`), e.g. a language
             model's output head ``[(d_model, vocab)]``.
-        block: block scaling formats (MX); only None is supported for now.
+        block: a block-scaled recipe (:class:`jax_scaled.nn.BlockRecipe`: ``js.nn.MXFP8``,
+            ``js.nn.FP8_BLOCK128``, ...) for the dense contractions, ``x (..., K) @ w (K, N)``
+            (flax ``Dense``, ``x @ w``) whose sizes its blocks tile: those become
+            :func:`jax_scaled.nn.block_linear` (every matmul, forward and backward, on
+            operands block-quantized along its contracting axis; the recipe's formats
+            replace ``lhs``/``rhs``/``grad`` there, and ``scaling`` does not apply: block
+            scales are current scales). Other contractions (attention einsums with batch
+            axes, convolutions, sizes the blocks do not tile) keep the per-tensor formats.
         scaling: ``"current"`` or ``"none"`` (see above).
 
     Returns:
@@ -168,12 +176,11 @@ def dot_formats(
         >>> g.dtype, float(g[0, 0]) * 2**19
         (dtype('float32'), 1.0)
     """
-    if block is not None:
-        raise NotImplementedError(
-            "dot_formats(block=...): block-scaled (MX) formats are not supported yet; "
-            "leave block=None for per-tensor formats."
-        )
-    policy = _Policy(_format(lhs), _format(rhs), _format(grad), _predicate(exclude), scaling)
+    if block is not None and not isinstance(block, BlockRecipe):
+        raise TypeError(f"dot_formats: block takes a js.nn.BlockRecipe (js.nn.MXFP8): {block!r}")
+    policy = _Policy(
+        _format(lhs), _format(rhs), _format(grad), _predicate(exclude), scaling, block
+    )
 
     @functools.wraps(fn)
     def with_formats(*args, **kwargs):
@@ -205,6 +212,7 @@ class _Policy:
     grad: jnp.dtype | None
     exclude: Callable[[ContractionSite], bool]
     scaling: str
+    block: BlockRecipe | None = None
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
@@ -300,6 +308,9 @@ def _evaluate(jaxpr: jxi.Jaxpr, consts: Sequence, args: Sequence, policy: _Polic
 def _evaluate_eqn(eqn: jxi.JaxprEqn, invals: list, policy: _Policy) -> list:
     if eqn.primitive in _CONTRACTIONS:
         formats = policy.formats(eqn, *invals)
+        if formats is not None and _is_block_dense(eqn, *invals, policy.block):
+            out = block_linear(*invals, policy.block).astype(eqn.outvars[0].aval.dtype)
+            return [jxi.with_weak_type(out) if eqn.outvars[0].aval.weak_type else out]
         if formats is not None:
             out = cast_contraction(*invals, Contraction.of(eqn.primitive, eqn.params), formats)
             return [jxi.with_weak_type(out) if eqn.outvars[0].aval.weak_type else out]
@@ -308,6 +319,15 @@ def _evaluate_eqn(eqn: jxi.JaxprEqn, invals: list, policy: _Policy) -> list:
     subfuns, params = jxi.eqn_bind_params(eqn)
     outs = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _is_block_dense(eqn: jxi.JaxprEqn, lhs: Any, rhs: Any, block: BlockRecipe | None) -> bool:
+    """True for a ``dot_general`` ``x (..., K) @ w (K, N)`` that ``block``'s blocks tile."""
+    if block is None or eqn.primitive is not lax.dot_general_p:
+        return False
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    dense = not lb and not rb and tuple(lc) == (np.ndim(lhs) - 1,) and tuple(rc) == (0,)
+    return dense and np.ndim(rhs) == 2 and not untiled_axes(np.shape(lhs), np.shape(rhs), block)
 
 
 def _transform(closed: jxi.ClosedJaxpr, policy: _Policy) -> jxi.ClosedJaxpr:

@@ -22,10 +22,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled import constants, recording
+from jax_scaled import blocks, constants, recording
 from jax_scaled._threadlocal import ThreadStack
 from jax_scaled.any_scale import AnyScaleValue
 from jax_scaled.array import ScaledArray, is_array_like
@@ -36,7 +35,9 @@ from jax_scaled.fusion import bundle_scales
 from jax_scaled.memo import scale_memo
 from jax_scaled.peephole import transposed_contractions
 from jax_scaled.promotion import normalized_scalar, normalizes, promote_inputs
+from jax_scaled.quantize import tracing_for_scalify
 from jax_scaled.registry import Property, record
+from jax_scaled.scales.blocks import is_blocked
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -77,20 +78,11 @@ def scalify(fn: Callable, *, config: ScalifyConfig | None = None) -> Callable:
 def _abstract(x: Any, widen: bool = False) -> jax.ShapeDtypeStruct:
     weak_type = bool(getattr(getattr(x, "aval", None), "weak_type", False))
     if isinstance(x, ScaledArray):
-        _check_scalar_scale(x)
         weak_type = False
     # Inside shard_map, keep the mesh axes the value varies over (check_vma typing).
     manual = jxi.manual_axis_kwargs(x.data if isinstance(x, ScaledArray) else x)
     dtype = compute_dtype(x.dtype) if widen else x.dtype
     return jax.ShapeDtypeStruct(x.shape, dtype, weak_type=weak_type, **manual)
-
-
-def _check_scalar_scale(x: ScaledArray) -> None:
-    if np.ndim(x.scale) != 0:
-        raise NotImplementedError(
-            f"scalify supports scalar (per-tensor) scales only; got a ScaledArray of shape "
-            f"{x.shape} with scale of shape {tuple(np.shape(x.scale))}."
-        )
 
 
 def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -107,8 +99,9 @@ def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
         out_tree_box.append(out_tree)
         return out_leaves
 
-    closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in dynamic])
-    found = _true_constants(flat_fn, closed, dynamic)
+    with tracing_for_scalify():  # js.quantize binds its primitive, a plain array here
+        closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in dynamic])
+        found = _true_constants(flat_fn, closed, dynamic)
     with scale_memo(), constants.true_constants(found):
         in_slots = [Slot(normalized_scalar(x) if normalizes(x) else x) for x in dynamic]
         out_slots = interpret_jaxpr(closed.jaxpr, closed.consts, in_slots)
@@ -178,6 +171,8 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
         if not _needs_facts_inside(found, in_slots):
             return _forward(eqn, in_slots)
     if found.higher_order is not None:
+        if not found.has(Property.BLOCKS_INSIDE) and any(is_blocked(s.value) for s in in_slots):
+            in_slots = blocks.per_tensor_slots(eqn, in_slots, source_line(eqn))
         with _enclosing(eqn), jxi.eqn_user_context(eqn):
             return found.higher_order(eqn, in_slots)
     if found.rule is None:
@@ -188,22 +183,28 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
         )
     invals = promote_inputs(in_slots, found.has(Property.MULTIPLICATIVE))
     with jxi.eqn_user_context(eqn):
-        outs = found.rule(*invals, **eqn.params)
-    return rule_output_slots(eqn, outs)
+        fell_back = False
+        if any(is_blocked(v) for v in invals):
+            outs, fell_back = blocks.apply_rule(found, eqn, invals, source_line(eqn))
+        else:
+            outs = found.rule(*invals, **eqn.params)
+    return rule_output_slots(eqn, outs, fell_back)
 
 
-def rule_output_slots(eqn: jxi.JaxprEqn, outs: Any) -> list[Slot]:
+def rule_output_slots(eqn: jxi.JaxprEqn, outs: Any, block_fallback: bool = False) -> list[Slot]:
     """Slots of a rule's outputs (checked against the equation's avals); outputs wrapped
     with ``ANY_SCALE(x)`` become scale-free, and a one-element zero takes the smallest scale
     (:func:`~jax_scaled.promotion.normalized_scalar`). Inside
-    :func:`~jax_scaled.diagnostics.record_scales` the outputs are recorded."""
+    :func:`~jax_scaled.diagnostics.record_scales` the outputs are recorded (marked when
+    block-scaled operands fell back to one scale)."""
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
     any_scale = [isinstance(v, AnyScaleValue) for v in outs]
     outs = [v.value if isinstance(v, AnyScaleValue) else v for v in outs]
     _check_rule_outputs(eqn, outs)
     outs = [normalized_scalar(v) if normalizes(v) else v for v in outs]
     if recording.is_recording():
-        recording.observe(eqn.primitive.name, source_line(eqn), jxi.eqn_name_stack(eqn), outs)
+        where = jxi.eqn_name_stack(eqn)
+        recording.observe(eqn.primitive.name, source_line(eqn), where, outs, block_fallback)
     return [Slot(v, any_scale=a) for v, a in zip(outs, any_scale, strict=True)]
 
 
@@ -259,5 +260,3 @@ def _check_rule_outputs(eqn: jxi.JaxprEqn, outs: list[Value]) -> None:
                 f" where the program expects {aval.dtype}{list(aval.shape)} (at "
                 f"{source_line(eqn)}). This is a bug in the rule."
             )
-        if isinstance(out, ScaledArray):
-            _check_scalar_scale(out)

@@ -60,6 +60,9 @@ def promote_inputs(in_slots: list[Slot], multiplicative: bool = False) -> list[V
     scale = next((s.value.scale for s in in_slots if s.is_scaled), None)
     if scale is None:
         return [s.value for s in in_slots]
+    if np.ndim(scale) > 0:  # block scales: a scale-free operand takes the largest
+        largest = lax.reduce_max(as_float32(scale), tuple(range(np.ndim(scale))))
+        scale = lax.convert_element_type(largest, scale.dtype)
     if multiplicative:  # computed only if a zero operand asks for it
         reference = functools.cache(lambda: zero_factor_scale(scale))
     else:

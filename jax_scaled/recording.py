@@ -31,7 +31,9 @@ class ScaleRecord:
     ``nonfinite`` counts infinities and NaNs; ``zeros`` and ``subnormals`` count data
     elements that are exactly zero or below the dtype's smallest normal number; ``nans``
     counts the NaNs among the non-finite ones. ``where`` is
-    the JAX name stack: ``transpose(jvp(...))`` marks the backward pass.
+    the JAX name stack: ``transpose(jvp(...))`` marks the backward pass. For block scales,
+    ``scale`` is the largest block scale. ``block_fallback`` marks an equation without a
+    block-scale rule whose block-scaled operands fell back to one scale (:mod:`jax_scaled.blocks`).
 
     Example:
         >>> r = ScaleRecord(0, "mul", "f.py:3:4 (f)", "", (4,), "float16", 0.25, 2.0, 1.0, 0, 0, 0)
@@ -52,6 +54,7 @@ class ScaleRecord:
     zeros: int
     subnormals: int
     nans: int = 0
+    block_fallback: bool = False
 
     @property
     def size(self) -> int:
@@ -187,7 +190,13 @@ def is_recording() -> bool:
     return bool(_recorders.items)
 
 
-def observe(primitive: str, source: str, where: str, outputs: Sequence[Any]) -> None:
+def observe(
+    primitive: str,
+    source: str,
+    where: str,
+    outputs: Sequence[Any],
+    block_fallback: bool = False,
+) -> None:
     """Stage the statistics of the scaled floating ``outputs`` of one equation.
 
     Called by the interpreter for each rule it applies while :func:`is_recording`.
@@ -197,6 +206,7 @@ def observe(primitive: str, source: str, where: str, outputs: Sequence[Any]) -> 
         source: the user's source line (``file:line:column (function)``).
         where: the JAX name stack (``transpose(...)`` marks the backward pass).
         outputs: the rule's outputs; plain and non-floating ones are skipped.
+        block_fallback: the equation's block-scaled operands fell back to one scale.
 
     Example:
         >>> x = js.as_scaled_array(jnp.ones(4, jnp.float16))
@@ -209,7 +219,10 @@ def observe(primitive: str, source: str, where: str, outputs: Sequence[Any]) -> 
     for out in outputs:
         if not isinstance(out, ScaledArray) or not jnp.issubdtype(out.dtype, jnp.floating):
             continue
-        static = (recorder.next_index(), primitive, source, where, out.shape, str(out.dtype))
+        static = (
+            recorder.next_index(), primitive, source, where, out.shape, str(out.dtype),
+            block_fallback,
+        )  # fmt: skip
         jax.debug.callback(_receiver(recorder, static), *_data_statistics(out), ordered=False)
 
 
@@ -229,7 +242,7 @@ def _data_statistics(x: ScaledArray) -> tuple[jax.Array, ...]:
 
 
 def _receiver(recorder: _Recorder, static: tuple) -> Any:
-    index, primitive, source, where, shape, dtype = static
+    index, primitive, source, where, shape, dtype, block_fallback = static
 
     def receive(scale, max_abs, rms, nonfinite, zeros, subnormals, nans) -> None:
         # Under vmap the statistics arrive batched: keep the worst of the batch.
@@ -239,7 +252,7 @@ def _receiver(recorder: _Recorder, static: tuple) -> Any:
                 scale=float(np.max(scale)), max_abs=float(np.max(max_abs)),
                 rms=float(np.max(rms)), nonfinite=int(np.sum(nonfinite)),
                 zeros=int(np.sum(zeros)), subnormals=int(np.sum(subnormals)),
-                nans=int(np.sum(nans)),
+                nans=int(np.sum(nans)), block_fallback=block_fallback,
             )
         )  # fmt: skip
 

@@ -46,6 +46,12 @@ class Property(enum.Flag):
       contraction may contain besides the contraction.
     * ``FACTS_INSIDE``: a call (``jit``) that is interpreted even on plain operands when
       they carry facts, so that facts its body derives reach its outputs.
+    * ``POINTWISE``: each output element is a function of the same element of the operands
+      (arithmetic, selections, activations, casts): on block-scaled operands its per-tensor
+      rule runs on every block (:mod:`jax_scaled.blocks`).
+    * ``BLOCKS_INSIDE``: a higher-order primitive whose body receives block-scaled operands
+      as they are (calls: ``jit``, custom derivatives, ``checkpoint``). Other higher-order
+      primitives (loops, ``cond``, ``shard_map``) get them at one scale per tensor.
     """
 
     NONE = 0
@@ -58,6 +64,8 @@ class Property(enum.Flag):
     ADDING = enum.auto()
     LAYOUT = enum.auto()
     FACTS_INSIDE = enum.auto()
+    POINTWISE = enum.auto()
+    BLOCKS_INSIDE = enum.auto()
 
 
 @dataclasses.dataclass
@@ -67,6 +75,8 @@ class PrimitiveRecord:
     ``fold`` computes the primitive on trace-time scalar constants, exactly as XLA would
     (numpy for the correctly rounded operations); ``facts`` replaces the generic fact
     propagation of a forwarded equation (``reduce_sum`` of a broadcast scalar, casts).
+    ``block_rule`` handles block-scaled operands (:mod:`jax_scaled.blocks`), and
+    ``block_behaviour`` says what it does with the blocks: ``"keeps"`` or ``"consumes"``.
     """
 
     primitive: Primitive
@@ -77,6 +87,8 @@ class PrimitiveRecord:
     estimate: EstimateRule | None = None
     fold: Callable | None = None
     facts: FactRule | None = None
+    block_rule: ScaleRule | None = None
+    block_behaviour: str | None = None
 
     def has(self, properties: Property) -> bool:
         """True if the primitive has all of ``properties``."""
@@ -178,6 +190,29 @@ def register_higher_order_rule(
 
     def register(rule: HigherOrderRule) -> HigherOrderRule:
         declare(primitive, properties=properties).higher_order = rule
+        return rule
+
+    return register
+
+
+def register_block_rule(
+    primitive: Primitive, *, behaviour: str = "keeps"
+) -> Callable[[ScaleRule], ScaleRule]:
+    """Register the decorated function as ``primitive``'s rule for block-scaled operands
+    (same signature as a scale rule); ``behaviour`` is ``"keeps"`` (the output keeps block
+    scales) or ``"consumes"`` (a contraction over blocked axes: per-row or per-tensor out).
+
+    Example:
+        >>> from jax import lax
+        >>> record(lax.transpose_p).block_behaviour
+        'keeps'
+    """
+    if behaviour not in ("keeps", "consumes"):
+        raise ValueError(f"behaviour is 'keeps' or 'consumes', got {behaviour!r}")
+
+    def register(rule: ScaleRule) -> ScaleRule:
+        found = declare(primitive)
+        found.block_rule, found.block_behaviour = rule, behaviour
         return rule
 
     return register

@@ -33,7 +33,10 @@ def eps(dtype) -> float:
 def value64(x: Any) -> np.ndarray:
     """The represented value of an array or ScaledArray, in float64 numpy (no overflow)."""
     if isinstance(x, js.ScaledArray):
-        return np.asarray(x.data, np.float64) * np.asarray(x.scale, np.float64)
+        scale = np.asarray(x.scale, np.float64)
+        for axis, block in enumerate(x.block_shape if scale.ndim else ()):
+            scale = np.repeat(scale, block, axis)  # block scales onto the data grid
+        return np.asarray(x.data, np.float64) * scale
     x = np.asarray(x)
     if x.dtype.kind == "V" or jnp.issubdtype(x.dtype, jnp.floating):
         return np.asarray(x, np.float64)

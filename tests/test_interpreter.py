@@ -175,10 +175,12 @@ class TestErrors:
         line = uses_mystery.__code__.co_firstlineno + 1
         assert f":{line}" in message
 
-    def test_per_axis_scales_are_refused_clearly(self):
-        x = js.ScaledArray(jnp.ones((2, 3)), jnp.ones((2, 1)))
-        with pytest.raises(NotImplementedError, match="scalar"):
-            js.scalify(lambda v: v * 2.0)(x)
+    def test_per_axis_scales_flow_and_broadcast_scales_are_refused(self):
+        x = js.ScaledArray(jnp.ones((2, 3)), jnp.array([[1.0], [4.0]]))  # one per row
+        out = js.scalify(lambda v: v * 2.0)(x)
+        assert out.block_shape == (1, 3) and js.asarray(out).tolist() == [[2.0] * 3, [8.0] * 3]
+        with pytest.raises(ValueError, match="does not tile"):  # broadcastable, not a block
+            js.ScaledArray(jnp.ones((2, 3)), jnp.ones((3,)))
 
 
 class TestConfig:

@@ -6,6 +6,14 @@ automatic propagation through its body.
 """
 
 from jax_scaled.nn.activations import elu, gelu, leaky_relu, relu, silu, softplus, swish
+from jax_scaled.nn.block_linear import (
+    FP8_BLOCK128,
+    MXFP4_WEIGHTS,
+    MXFP8,
+    MXFP8_E4M3_GRADS,
+    BlockRecipe,
+    block_linear,
+)
 from jax_scaled.nn.linear import linear
 from jax_scaled.nn.normalization import layer_norm, rms_norm
 from jax_scaled.nn.readout import linear_readout
@@ -18,6 +26,12 @@ from jax_scaled.nn.softmax import (
 )
 
 __all__ = [
+    "FP8_BLOCK128",
+    "MXFP4_WEIGHTS",
+    "MXFP8",
+    "MXFP8_E4M3_GRADS",
+    "BlockRecipe",
+    "block_linear",
     "dot_product_attention",
     "elu",
     "gelu",

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_scaled.nn.block_linear import BlockRecipe, block_linear
 from jax_scaled.nn.cast_contraction import CastFormats, Contraction, cast_contraction
 from jax_scaled.ops.casts import reduce_precision_on_backward
 from jax_scaled.ops.stochastic import RoundingMode, check_rounding
@@ -47,6 +48,7 @@ def linear(
     preferred_element_type: DTypeLike | None = None,
     grad_rounding: RoundingMode = "nearest",
     key: jax.Array | None = None,
+    block: BlockRecipe | int | None = None,
 ) -> jax.Array:
     """``x @ w + b`` with the formats of an FP8 matmul chosen independently.
 
@@ -98,6 +100,13 @@ def linear(
             ``grad_dtype``).
         key: PRNG key of the stochastic gradient rounding (``jax.random.key``); unused by
             ``"nearest"``.
+        block: block scales instead of casts (:mod:`jax_scaled.nn.block_linear`): a recipe
+            (``js.nn.MXFP8``, ``js.nn.MXFP8_E4M3_GRADS``, ``js.nn.MXFP4_WEIGHTS``,
+            ``js.nn.FP8_BLOCK128``; then leave the three dtypes unset), or a block size
+            (MX blocks of that many elements along every matmul's contracting axis, E8M0
+            scales, formats ``x_dtype``, ``w_dtype``, ``grad_dtype``, all three needed).
+            ``w`` must be 2-D; ``wgrad_dtype``, ``preferred_element_type`` and stochastic
+            rounding do not apply.
 
     Returns:
         The output array, of dtype ``preferred_element_type`` (promoted with ``b``'s).
@@ -116,6 +125,15 @@ def linear(
         >>> jax.grad(loss)(jnp.ones((4, 1))).ravel()  # E5M2 neighbours 0.25, 0.3125; mean 0.3
         Array([0.25  , 0.25  , 0.3125, 0.3125], dtype=float32)
     """
+    if block is not None:
+        recipe = _block_recipe(block, x_dtype, w_dtype, grad_dtype)
+        if wgrad_dtype or preferred_element_type or grad_rounding != "nearest":
+            raise ValueError(
+                "linear(block=...): wgrad_dtype, preferred_element_type and stochastic "
+                "rounding do not apply to block-scaled matmuls; leave them unset."
+            )
+        y = block_linear(x, w, recipe)
+        return y if b is None else y + b
     stochastic = check_rounding(grad_rounding, key)
     formats = _Formats(
         x=jnp.dtype(x.dtype),
@@ -135,6 +153,20 @@ def linear(
     if stochastic:  # the cotangent takes grad_dtype's values here; its cast is then exact
         y = reduce_precision_on_backward(y, formats.grad, rounding="stochastic", key=key)
     return y if b is None else y + b
+
+
+def _block_recipe(block: BlockRecipe | int, *dtypes: DTypeLike | None) -> BlockRecipe:
+    """The recipe of ``linear(block=...)``: a recipe as given, or MX blocks of ``block``
+    elements in the three formats."""
+    given = [d is not None for d in dtypes]
+    if isinstance(block, BlockRecipe):
+        if any(given):
+            raise ValueError("linear(block=recipe) takes its formats from the recipe: leave "
+                             "x_dtype, w_dtype and grad_dtype unset.")  # fmt: skip
+        return block
+    if not all(given):
+        raise ValueError(f"linear(block={block!r}) needs x_dtype, w_dtype and grad_dtype.")
+    return BlockRecipe(*dtypes, x_block=int(block))
 
 
 class _Formats(NamedTuple):

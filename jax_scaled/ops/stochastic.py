@@ -44,7 +44,7 @@ from jax import lax
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.registry import Property, register_scale_rule
 from jax_scaled.scales.guard import guard_factors
 from jax_scaled.scales.values import make_scale, scale_f32, scale_mul, times_scalar
 
@@ -248,7 +248,7 @@ stochastic_round_p = jxi.define_primitive(
 )
 
 
-@register_scale_rule(stochastic_round_p)
+@register_scale_rule(stochastic_round_p, properties=Property.POINTWISE)
 def stochastic_round_rule(x: ScaledArray, bits: jax.Array, *, dtype: jnp.dtype) -> ScaledArray:
     """Input scale; the data is rounded. Range-guarded like ``convert_element_type``: into
     a narrower float16/float8 format, out-of-band data moves a power of two into the scale

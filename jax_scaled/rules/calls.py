@@ -38,10 +38,12 @@ def _inline_call(param_name: str) -> HigherOrderRule:
 
 
 for _primitive in (jxi.custom_jvp_call_p, jxi.custom_vjp_call_p, jxi.closed_call_p):
-    register_higher_order_rule(_primitive)(_inline_call("call_jaxpr"))
+    register_higher_order_rule(_primitive, properties=Property.BLOCKS_INSIDE)(
+        _inline_call("call_jaxpr")
+    )
 
 
-@register_higher_order_rule(jxi.linear_solve_p)
+@register_higher_order_rule(jxi.linear_solve_p, properties=Property.BLOCKS_INSIDE)
 def linear_solve_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     """``lax.custom_linear_solve``: the user's ``solve`` is interpreted in place on ``b``.
 
@@ -58,7 +60,9 @@ def linear_solve_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     return interpret_closed(eqn.params["jaxprs"].solve, [*solve_consts, *b])
 
 
-@register_higher_order_rule(jxi.jit_p, properties=Property.FACTS_INSIDE)
+@register_higher_order_rule(
+    jxi.jit_p, properties=Property.FACTS_INSIDE | Property.BLOCKS_INSIDE
+)
 def jit_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     """Re-bind a nested ``jit`` through ``jax.jit``, keeping its name, donation and shardings;
     the trace-time facts of its operands reach its body, and its outputs' facts come back."""

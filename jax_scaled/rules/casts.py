@@ -19,7 +19,7 @@ from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.registry import Property, register_scale_rule
 
 DTypeLike = jnp.dtype | type
 
@@ -71,7 +71,7 @@ def _saturate_impl(x: jax.Array, *, dtype: jnp.dtype) -> jax.Array:
 saturate_p = jxi.define_primitive("saturate", _saturate_impl, straight_through=True)
 
 
-@register_scale_rule(saturate_p)
+@register_scale_rule(saturate_p, properties=Property.POINTWISE)
 def saturate_rule(x: ScaledArray, *, dtype: jnp.dtype) -> ScaledArray:
     """Input scale; the data is clipped to the format's range (what a cast of it stores)."""
     return ScaledArray(_saturate_impl(x.data, dtype=dtype), x.scale)

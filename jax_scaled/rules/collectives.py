@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, check_block_sharding
 from jax_scaled.facts import Slot, plain_slot
 from jax_scaled.interpreter import interpret_jaxpr
 from jax_scaled.registry import register_higher_order_rule, register_scale_rule
@@ -75,8 +75,13 @@ def scaled_shardings(shardings: Any, values: Any) -> Any:
 
     ``shardings`` has the structure of ``values`` with ScaledArrays as leaves (it may be a
     prefix of it). Where ``values`` has a ScaledArray the result has a ScaledArray node
-    ``(sharding, replicated_like(sharding))``: the data placed as asked, the scalar scale
-    replicated. Pass the result as ``in_shardings``/``out_shardings`` of ``jax.jit`` or as
+    ``(sharding, scale sharding)``: the data placed as asked; a 0-d scale replicated
+    (``replicated_like(sharding)``), block scales sharded like the data (the same sharding:
+    the scale has the data's rank), so that every shard holds the scales of its own blocks.
+    A ``NamedSharding`` that would split a block is refused with a ``ValueError``
+    (:func:`~jax_scaled.array.check_block_sharding`); for a ``PartitionSpec`` JAX refuses
+    a scale whose grid does not divide among the devices, which is the same condition. Pass
+    the result as ``in_shardings``/``out_shardings`` of ``jax.jit`` or as
     ``in_specs``/``out_specs`` of ``jax.shard_map``.
 
     Example:
@@ -84,12 +89,18 @@ def scaled_shardings(shardings: Any, values: Any) -> Any:
         >>> specs = scaled_shardings({"w": P("model")}, {"w": scaled_array([1.0, 2.0], 1.0)})
         >>> specs["w"].data, specs["w"].scale
         (P('model',), P())
+        >>> blocks = ScaledArray(jnp.ones((4, 64)), jnp.ones((4, 2), jnp.float32))
+        >>> scaled_shardings(P("model", None), blocks).scale
+        P('model', None)
     """
 
     def pair(sharding, value):
         if not isinstance(value, ScaledArray):
             return sharding
-        return ScaledArray.tree_unflatten(None, (sharding, replicated_like(sharding)))
+        if np.ndim(value.scale) == 0:
+            return ScaledArray.tree_unflatten(None, (sharding, replicated_like(sharding)))
+        check_block_sharding(value, sharding)
+        return ScaledArray.tree_unflatten(None, (sharding, sharding))
 
     def broadcast(sharding, subtree):
         return jax.tree.map(lambda v: pair(sharding, v), subtree, is_leaf=_is_scaled)

@@ -50,7 +50,7 @@ from jax_scaled.config import current_config
 from jax_scaled.facts import Slot, plain_slot, rebound
 from jax_scaled.interpreter import interpret_closed, interpret_jaxpr
 from jax_scaled.promotion import promote
-from jax_scaled.registry import register_higher_order_rule
+from jax_scaled.registry import Property, register_higher_order_rule
 from jax_scaled.scales.guard import recentred_carry
 from jax_scaled.scales.static import MIN_SCALE_EXPONENT, is_static
 from jax_scaled.scales.traced import pow2_ratio
@@ -373,7 +373,7 @@ def _check_branches_agree(signatures: list[list[Signature]], token: object) -> N
 # ---------------------------------------------------------------------------------------
 
 
-@register_higher_order_rule(jxi.remat_p)
+@register_higher_order_rule(jxi.remat_p, properties=Property.BLOCKS_INSIDE)
 def _remat_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     """``jax.checkpoint`` with the same policy, ``prevent_cse`` and ``differentiated`` flag."""
     params = eqn.params

@@ -15,7 +15,7 @@ from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.facts import converted_fact
-from jax_scaled.registry import Property, register_scale_rule
+from jax_scaled.registry import Property, declare, register_scale_rule
 from jax_scaled.scales.guard import (
     guard_band,
     guarded,
@@ -473,3 +473,15 @@ def bitcast_convert_type_rule(x: ScaledArray, **params) -> jax.Array:
     The value can overflow or underflow the data dtype; bitcasts are not scale-aware.
     """
     return lax.bitcast_convert_type_p.bind(x.to_array(), **params)
+
+
+# Pointwise primitives: on block-scaled operands their rules above run on every block.
+for _pointwise in (
+    lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.neg_p, lax.abs_p, lax.sign_p,
+    lax.reduce_precision_p, lax.copy_p, lax_primitives.stop_gradient_p, lax.max_p, lax.min_p,
+    lax.select_n_p, lax.clamp_p, lax.nextafter_p, lax_primitives.add_jaxvals_p,
+    lax.integer_pow_p, lax.square_p, lax.sqrt_p, lax.rsqrt_p, lax.cbrt_p, lax.floor_p,
+    lax.ceil_p, lax.round_p, lax.rem_p, lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p,
+    lax.ge_p, lax.is_finite_p, lax.convert_element_type_p,
+):  # fmt: skip
+    declare(_pointwise, properties=Property.POINTWISE)

@@ -44,7 +44,7 @@ def _contract(
     return guarded(out, scale, out_dtype, x, y, divisor=sqrt_k)
 
 
-def _bind_contraction(primitive: jxi.Primitive, a: jax.Array, b: jax.Array, **params) -> jax.Array:
+def bind_contraction(primitive: jxi.Primitive, a: jax.Array, b: jax.Array, **params) -> jax.Array:
     """``primitive`` bound on ``a`` and ``b``; where ``precision`` names a dot algorithm
     (``lax.DotAlgorithmPreset``, such as the ``F16_F16_F32`` of ``jax.nn.dot_product_attention``
     and flax attention), XLA:CPU supports only a few: on CPU the operands are widened to
@@ -79,7 +79,7 @@ def dot_general_rule(x: Value, y: Value, *, dimension_numbers, **params) -> Scal
     out_dtype = params.pop("preferred_element_type", None)
 
     def contract(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-        return _bind_contraction(
+        return bind_contraction(
             lax.dot_general_p, a, b,
             dimension_numbers=dimension_numbers, preferred_element_type=dtype, **params,
         )  # fmt: skip
@@ -96,7 +96,7 @@ def conv_general_dilated_rule(
     out_dtype = params.pop("preferred_element_type", None)
 
     def contract(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-        return _bind_contraction(
+        return bind_contraction(
             lax.conv_general_dilated_p, a, b,
             dimension_numbers=dimension_numbers, preferred_element_type=dtype, **params,
         )  # fmt: skip

@@ -37,7 +37,7 @@ from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.registry import Property, register_scale_rule
 from jax_scaled.scales.guard import guarded
 from jax_scaled.scales.values import Value, as_scaled, to_compute
 
@@ -50,43 +50,43 @@ def _evaluate(primitive, *operands: Value, **params) -> ScaledArray:
     return guarded(value, np.float32(1.0), dtype, *operands)
 
 
-@register_scale_rule(lax.igamma_p)
+@register_scale_rule(lax.igamma_p, properties=Property.POINTWISE)
 def igamma_rule(a: Value, x: Value, **params) -> ScaledArray:
     """igamma(a, x), the regularized lower incomplete gamma P(a, x), on the values."""
     return _evaluate(lax.igamma_p, a, x, **params)
 
 
-@register_scale_rule(lax.igammac_p)
+@register_scale_rule(lax.igammac_p, properties=Property.POINTWISE)
 def igammac_rule(a: Value, x: Value, **params) -> ScaledArray:
     """igammac(a, x), the regularized upper incomplete gamma Q(a, x), on the values."""
     return _evaluate(lax.igammac_p, a, x, **params)
 
 
-@register_scale_rule(lax.igamma_grad_a_p)
+@register_scale_rule(lax.igamma_grad_a_p, properties=Property.POINTWISE)
 def igamma_grad_a_rule(a: Value, x: Value, **params) -> ScaledArray:
     """igamma_grad_a(a, x), dP(a, x)/da, on the values."""
     return _evaluate(lax.igamma_grad_a_p, a, x, **params)
 
 
-@register_scale_rule(lax.regularized_incomplete_beta_p)
+@register_scale_rule(lax.regularized_incomplete_beta_p, properties=Property.POINTWISE)
 def regularized_incomplete_beta_rule(a: Value, b: Value, x: Value, **params) -> ScaledArray:
     """regularized_incomplete_beta(a, b, x), I_x(a, b) (``lax.betainc``), on the values."""
     return _evaluate(lax.regularized_incomplete_beta_p, a, b, x, **params)
 
 
-@register_scale_rule(lax.zeta_p)
+@register_scale_rule(lax.zeta_p, properties=Property.POINTWISE)
 def zeta_rule(x: Value, q: Value, **params) -> ScaledArray:
     """zeta(x, q), the Hurwitz zeta function, on the values (guarded: it has a pole at q=0)."""
     return _evaluate(lax.zeta_p, x, q, **params)
 
 
-@register_scale_rule(lax.bessel_i0e_p)
+@register_scale_rule(lax.bessel_i0e_p, properties=Property.POINTWISE)
 def bessel_i0e_rule(x: Value, **params) -> ScaledArray:
     """bessel_i0e(x) = exp(-|x|) I0(x), on the value (in (0, 1], ~1/sqrt(2 pi |x|) for large x)."""
     return _evaluate(lax.bessel_i0e_p, x, **params)
 
 
-@register_scale_rule(lax.bessel_i1e_p)
+@register_scale_rule(lax.bessel_i1e_p, properties=Property.POINTWISE)
 def bessel_i1e_rule(x: Value, **params) -> ScaledArray:
     """bessel_i1e(x) = exp(-|x|) I1(x), on the value (|i1e| < 0.22; ~x/2 near 0)."""
     return _evaluate(lax.bessel_i1e_p, x, **params)

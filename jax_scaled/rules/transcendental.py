@@ -33,7 +33,7 @@ from jax import lax
 from jax_scaled import estimates
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.registry import Property, register_scale_rule
+from jax_scaled.registry import Property, declare, register_scale_rule
 from jax_scaled.scales.static import is_static, static_pow2_round
 from jax_scaled.scales.traced import pow2_exponent, pow2_reciprocal
 from jax_scaled.scales.values import (
@@ -354,3 +354,13 @@ def pow_rule(x: Value, y: Value, **params) -> ScaledArray:
     shift = (ex * hi - pow2_exponent(scale).astype(wide)) + ex * lo
     value = lax.pow(*jnp.broadcast_arrays(x.data.astype(wide), p)) * jnp.exp2(shift)
     return ScaledArray(value.astype(x.dtype), make_scale(scale, x, y))
+
+
+# Pointwise primitives: on block-scaled operands their rules above run on every block.
+for _pointwise in (
+    lax.exp_p, lax.exp2_p, lax.log_p, lax.log1p_p, lax.expm1_p, lax.tanh_p, lax.logistic_p,
+    lax.sin_p, lax.cos_p, lax.tan_p, lax.asin_p, lax.acos_p, lax.atan_p, lax.atan2_p,
+    lax.sinh_p, lax.cosh_p, lax.asinh_p, lax.acosh_p, lax.atanh_p, lax.erf_p, lax.erfc_p,
+    lax.erf_inv_p, lax.lgamma_p, lax.digamma_p, lax.polygamma_p, lax.pow_p,
+):  # fmt: skip
+    declare(_pointwise, properties=Property.POINTWISE)

@@ -1,0 +1,202 @@
+"""Block-scaled matmul recipes: MXFP8, MXFP4 weights, 1x128 activations with 128x128 weights.
+
+:func:`block_linear` is ``x @ w`` whose three matmuls (forward, input gradient, weight
+gradient) each take operands quantized with one power-of-two scale per block **along that
+matmul's contracting axis** (:func:`~jax_scaled.quantize.quantize`):
+
+============================  =====================  ======================================
+matmul                        contracting axis       operands quantized
+============================  =====================  ======================================
+forward ``y = x w``           ``K``                  ``x`` in rows of ``x_block`` along K,
+                                                     ``w`` in ``w_block`` blocks
+input grad ``dx = g w^T``     ``N``                  ``g`` in rows of ``x_block`` along N,
+                                                     ``w`` in transposed ``w_block`` blocks
+weight grad ``dw = x^T g``    ``M`` (the batch)      ``x`` and ``g`` in columns of
+                                                     ``x_block`` along M
+============================  =====================  ======================================
+
+The transposed operands of the backward matmuls are quantized again **from the
+high-precision values** saved by the forward pass (``x`` and ``w``), never re-blocked from
+already quantized data (which would round twice). The products are accumulated in float32.
+
+**Where it runs.** Under :func:`~jax_scaled.scalify` the quantized operands are block-scaled
+ScaledArrays of FP8/FP4 data and each matmul is scalify's block ``dot_general`` rule
+(partial products per contracting block, scales applied exactly). Outside scalify the
+quantized operands are dequantized to float32 before the product: the same values as an
+FP8/FP4 GEMM with float32 accumulation (a simulation on hardware without one).
+
+Recipes (:class:`BlockRecipe`):
+
+* :data:`MXFP8`: E4M3 forward, E5M2 gradients, blocks of 32, E8M0 scales (OCP MX, "floor");
+* :data:`MXFP8_E4M3_GRADS`: E4M3 everywhere;
+* :data:`MXFP4_WEIGHTS`: E2M1 weights, E4M3 activations, E5M2 gradients (blocks of 32);
+* :data:`FP8_BLOCK128`: E4M3 everywhere, 1x128 activation and gradient tiles and 128x128
+  weight blocks, scales that never saturate ("rceil"), as in FP8 LLM training recipes.
+
+Example:
+    >>> x = jax.random.normal(jax.random.key(0), (64, 128))
+    >>> w = jax.random.normal(jax.random.key(1), (128, 32)) / 11
+    >>> y = block_linear(x, w, MXFP8)
+    >>> bool(jnp.abs(y - x @ w).max() < 0.1 * jnp.abs(x @ w).max())
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from jax_scaled.array import ScaledArray
+from jax_scaled.quantize import quantize
+
+DTypeLike = Any
+F32 = jnp.dtype(jnp.float32)
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRecipe:
+    """The formats and blocks of a block-scaled :func:`block_linear`.
+
+    ``x``, ``w``, ``grad``: element formats of the activations, the weights and the output
+    gradient. ``x_block``: elements per scale of activations and gradients along a matmul's
+    contracting axis. ``w_block``: the weight's blocks ``(along K, along N)``: ``(32, 1)``
+    for MX, ``(128, 128)`` for square tiles. ``scale_rule`` and ``scale_dtype`` as in
+    :func:`~jax_scaled.quantize.quantize`.
+
+    Example:
+        >>> recipe = BlockRecipe(jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float8_e5m2, 16)
+        >>> recipe.w_block, recipe.scale_rule
+        ((16, 1), 'floor')
+    """
+
+    x: DTypeLike
+    w: DTypeLike
+    grad: DTypeLike
+    x_block: int = 32
+    w_block: tuple[int, int] | None = None
+    scale_rule: str = "floor"
+    scale_dtype: DTypeLike = E8M0
+
+    def __post_init__(self) -> None:
+        for name in ("x", "w", "grad", "scale_dtype"):
+            object.__setattr__(self, name, np.dtype(getattr(self, name)))
+        w_block = (self.x_block, 1) if self.w_block is None else tuple(self.w_block)
+        object.__setattr__(self, "w_block", w_block)
+        if self.x_block < 1 or len(w_block) != 2 or min(w_block) < 1:
+            raise ValueError(f"blocks must be positive: x_block {self.x_block}, w_block {w_block}")
+
+
+E4M3, E5M2, E2M1 = (np.dtype(d) for d in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"))
+MXFP8 = BlockRecipe(E4M3, E4M3, E5M2)
+MXFP8_E4M3_GRADS = BlockRecipe(E4M3, E4M3, E4M3)
+MXFP4_WEIGHTS = BlockRecipe(E4M3, E2M1, E5M2)
+FP8_BLOCK128 = BlockRecipe(E4M3, E4M3, E4M3, 128, (128, 128), "rceil", F32)
+
+
+def block_linear(x: jax.Array, w: jax.Array, recipe: BlockRecipe) -> jax.Array:
+    """``x @ w`` with every matmul (forward and both gradients) on block-quantized operands.
+
+    Args:
+        x: activations of shape ``(..., K)``; the leading axes are flattened into ``M``
+            (the weight gradient's contracting axis).
+        w: a ``(K, N)`` weight.
+        recipe: formats and blocks (:data:`MXFP8`, :data:`FP8_BLOCK128`, ...). ``K``, ``N``
+            and ``M`` must be multiples of the blocks along them.
+
+    Returns:
+        ``x @ w`` of shape ``(..., N)``, in ``x``'s dtype. Gradients (reverse mode) in ``x``'s
+        and ``w``'s dtypes.
+
+    Example:
+        >>> x, w = jnp.ones((32, 64)), jnp.full((64, 32), 0.5)
+        >>> float(block_linear(x, w, MXFP8)[0, 0]), jax.grad(
+        ...     lambda w: block_linear(x, w, MXFP8).sum())(w)[0, 0].item()
+        (32.0, 32.0)
+    """
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"block_linear needs x (..., K) and w (K, N); got {x.shape}, {w.shape}")
+    untiled = untiled_axes(x.shape, w.shape, recipe)
+    if untiled:
+        raise ValueError(f"block_linear: the blocks of the recipe do not tile {untiled}.")
+    rows = x.reshape(-1, x.shape[-1])
+    return _block_matmul(rows, w, recipe).reshape(*x.shape[:-1], w.shape[1])
+
+
+def untiled_axes(x_shape: tuple, w_shape: tuple, recipe: BlockRecipe) -> str:
+    """The axes of ``x (..., K) @ w (K, N)`` that ``recipe``'s blocks do not tile, described
+    (empty if they all are).
+
+    Example:
+        >>> untiled_axes((4, 64, 96), (96, 128), FP8_BLOCK128)
+        'K = 96 (a multiple of 128)'
+        >>> untiled_axes((4, 96), (96, 64), MXFP8)
+        ''
+    """
+    (wk, wn), b = recipe.w_block, recipe.x_block
+    m, (k, n) = int(np.prod(x_shape[:-1])), w_shape
+    needs = {"K": (k, np.lcm(b, wk)), "N": (n, np.lcm(b, wn)), "M (the flattened batch)": (m, b)}
+    return ", ".join(
+        f"{axis} = {size} (a multiple of {need})"
+        for axis, (size, need) in needs.items()
+        if size % need
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _block_matmul(x: jax.Array, w: jax.Array, recipe: BlockRecipe) -> jax.Array:
+    return _forward(x, w, recipe)[0]
+
+
+def _forward(x: jax.Array, w: jax.Array, recipe: BlockRecipe) -> tuple:
+    xq = _quantize(x, recipe.x, (1, recipe.x_block), recipe)
+    wq = _quantize(w, recipe.w, recipe.w_block, recipe)
+    return _contract(xq, wq, ((1,), (0,)), x.dtype), (x, w)
+
+
+def _backward(recipe: BlockRecipe, residuals: tuple, g: jax.Array) -> tuple:
+    x, w = residuals
+    g_rows = _quantize(g, recipe.grad, (1, recipe.x_block), recipe)  # blocks along N
+    w_t = _quantize(w, recipe.w, recipe.w_block[::-1], recipe)  # again, from w: along N
+    dx = _contract(g_rows, w_t, ((1,), (1,)), x.dtype)
+    x_cols = _quantize(x, recipe.x, (recipe.x_block, 1), recipe)  # from x: along M
+    g_cols = _quantize(g, recipe.grad, (recipe.x_block, 1), recipe)
+    dw = _contract(x_cols, g_cols, ((0,), (0,)), w.dtype)
+    return dx, dw
+
+
+_block_matmul.defvjp(_forward, _backward)
+
+
+def _quantize(value: jax.Array, dtype: np.dtype, blocks, recipe: BlockRecipe) -> Any:
+    return quantize(
+        value, dtype, block_shape=blocks, scale_rule=recipe.scale_rule,
+        scale_dtype=recipe.scale_dtype,
+    )  # fmt: skip
+
+
+def _contract(a: Any, b: Any, contracting: tuple, dtype: DTypeLike) -> jax.Array:
+    """The product of two quantized operands, accumulated in float32, returned as ``dtype``:
+    on their narrow data under scalify (block-scaled ScaledArrays there), dequantized outside."""
+    if isinstance(a, ScaledArray):  # outside scalify: the exact values of the quantized data
+        a, b = a.to_array(F32), b.to_array(F32)
+    dims = (contracting, ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=F32).astype(dtype)
+
+
+__all__ = [
+    "FP8_BLOCK128",
+    "MXFP4_WEIGHTS",
+    "MXFP8",
+    "MXFP8_E4M3_GRADS",
+    "BlockRecipe",
+    "block_linear",
+    "untiled_axes",
+]

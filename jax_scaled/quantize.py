@@ -1,0 +1,374 @@
+"""Block quantization: a tensor to narrow data with power-of-two block scales.
+
+:func:`quantize` splits a tensor into blocks (the whole tensor, rows, MX's 32 elements along
+an axis, 128x128 tiles, ...), gives each block a power-of-two scale from its largest
+magnitude ``amax``, and rounds ``x / scale`` to the element format:
+
+* ``scale_rule="floor"`` is the OCP MX v1.0 rule: ``2^(floor(log2(amax)) - emax)``, with
+  ``emax`` the exponent of the format's largest finite value (E4M3: 8, E5M2: 15, E2M3: 2,
+  E3M2: 4, E2M1: 2). ``amax / scale`` then lies in ``[2^emax, 2^(emax+1))``, above the
+  largest finite value ``max`` when the block's largest mantissa exceeds ``max / 2^emax``
+  (1.75 for E4M3, E5M2 and E3M2, 1.875 for E2M3, 1.5 for E2M1): such values **saturate** to
+  ``+-max`` (for E4M3, ``|x| / scale`` in ``(448, 512)``). This is the rule of the MX spec
+  and of torchao's default; it keeps one more binade of the block's small values.
+* ``scale_rule="rceil"``: ``2^ceil(log2(amax / max))`` (cuBLAS, Transformer Engine and
+  ``jax.nn.scaled_dot_general``), computed exactly from the exponent and mantissa fields,
+  so ``|x| / scale <= max``: it **never saturates**.
+
+Rounding is to nearest, ties to even, with the format's subnormals, as ml_dtypes and XLA cast
+(values below half the smallest subnormal flush to zero, keeping their sign). Scales are
+powers of two in ``[2^-126, 2^127]``, the range of every jax_scaled scale (float32's normal
+range, inside E8M0's ``[2^-127, 2^127]``): an all-zero block gets the smallest, ``2^-126``
+(E8M0 has no zero), and the OCP exponent is clamped there (it differs from the spec's
+``-127`` only for blocks whose ``amax`` is below ``2^(emax-126)``). Input values that are
+float32 subnormals are divided exactly (XLA's CPU backend flushes them to zero in float
+arithmetic). Non-finite values take no part in ``amax``; they become what the format has for
+them (:func:`round_to_format`). The input is quantized from its float32
+value.
+
+Example:
+    >>> q = quantize(jnp.array([[1.0, 3.0, 0.5, 500.0]]), jnp.float8_e4m3fn, block_shape=(1, 2))
+    >>> q.scale.tolist(), q.data.astype(jnp.float32).tolist()  # 500 saturates to 448
+    ([[0.0078125, 1.0]], [[128.0, 384.0, 0.5, 448.0]])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from jax_scaled import _jax_internals as jxi
+from jax_scaled._threadlocal import ThreadStack
+from jax_scaled.array import ScaledArray, expand_scale
+from jax_scaled.formats import BlockFormat, storage_dtype
+from jax_scaled.primitives import stop_scaling
+from jax_scaled.registry import register_block_rule, register_scale_rule
+from jax_scaled.scales.static import EXPONENT_BIAS, MANTISSA_BITS
+from jax_scaled.scales.traced import (
+    biased_exponent,
+    pow2_exponent,
+    pow2_from_exponent,
+    pow2_ratio,
+    pow2_split,
+)
+
+DTypeLike = Any
+ScaleRule = Literal["floor", "rceil"]
+
+_SCALE_RULES = ("floor", "rceil")
+_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.float8_e8m0fnu))
+_MANTISSA_MASK = np.uint32((1 << MANTISSA_BITS) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeSpec:
+    """A resolved quantization: element format, blocks (None: one scale for the tensor),
+    scale rule and scale dtype. Static (hashable): a ``jit`` static argument and the
+    parameters of the ``quantize`` primitive.
+
+    Example:
+        >>> QuantizeSpec(np.dtype(jnp.float8_e4m3fn), (1, 32)).storage_dtype
+        dtype(float8_e4m3fn)
+    """
+
+    element_dtype: np.dtype
+    block_shape: tuple[int, ...] | None = None
+    scale_rule: str = "floor"
+    scale_dtype: np.dtype = np.dtype(np.float32)
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """The dtype of the quantized data (see :func:`~jax_scaled.formats.storage_dtype`)."""
+        return storage_dtype(self.element_dtype)
+
+
+def quantize(
+    x: Any,
+    dtype: DTypeLike | BlockFormat,
+    *,
+    block_shape: Sequence[int] | None = None,
+    axis: int | None = None,
+    scale_rule: ScaleRule = "floor",
+    scale_dtype: DTypeLike | None = None,
+) -> ScaledArray:
+    """Quantize ``x`` to element format ``dtype`` with one power-of-two scale per block.
+
+    The module docstring gives the scale rules, which values saturate, rounding, zero blocks
+    and non-finite values.
+
+    Args:
+        x: an array (any float or integer dtype) or a ScaledArray (requantized from its
+            float32 value).
+        dtype: the element format (``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``,
+            ``jnp.float6_e2m3fn``, ``jnp.float6_e3m2fn``, ``jnp.float4_e2m1fn``, or any
+            ml_dtypes float), or a :class:`~jax_scaled.formats.BlockFormat` preset such as
+            ``js.formats.MXFP8_E4M3`` (its blocks lie along ``axis``, default -1).
+        block_shape: the elements one scale covers, one entry per axis of ``x``, each
+            dividing the axis (no padding); ``-1`` spans the whole axis (``(1, -1)``: one
+            scale per row). None (default): one 0-d scale for the tensor. Under
+            ``jax.vmap``, give each example one scale with ``(-1, ..., -1)`` (shape
+            ``(1, ..., 1)``, stacked to ``(B, 1, ..., 1)``): stacked 0-d scales are no
+            valid scale of the stacked data.
+        axis: with a preset, the axis its blocks lie along.
+        scale_rule: ``"floor"`` (OCP MX, may saturate) or ``"rceil"`` (never saturates).
+        scale_dtype: ``jnp.float32`` (default) or ``jnp.float8_e8m0fnu`` (a preset's default).
+
+    Returns:
+        A ScaledArray of ``x``'s shape: data in the element format (float6 in a
+        ``float8_e4m3fn`` container), scale of shape ``x.shape // block_shape`` (0-d per
+        tensor).
+
+    **Gradients** are straight-through (a ``jax.custom_jvp``): the tangent of the quantized
+    value is the input's tangent, rounding and saturation passing it unchanged (saturated
+    values get their gradient). JAX gives a tangent its primal's dtype, so outside scalify
+    the data's tangent is ``dx / scale`` cast to the element format: the gradient is rounded
+    to that format at the forward's block scale (and overflows it where ``dx`` is far above
+    ``x``). Inside :func:`~jax_scaled.scalify` (a scalified train step) the ``quantize``
+    primitive passes the tangent on cast to the element format, and tangents carry scales
+    of their own.
+
+    **Inside scalify** a plain array or a per-tensor ScaledArray is quantized too, and the
+    scalified function can return the block-scaled result. While scalify traces under
+    :func:`tracing_for_scalify`, ``quantize`` binds the ``quantize`` primitive instead: the
+    traced program gets a plain array of the element dtype, which scalify holds as the
+    block-scaled ScaledArray and later operations propagate (without it, the traced program
+    holds a ScaledArray of traced data and scale, which ``jax.numpy`` cannot take).
+
+    Example:
+        >>> x = jnp.arange(64.0).reshape(2, 32) % 16 - 8  # values E4M3 holds exactly
+        >>> q = quantize(x, js.formats.MXFP8_E4M3, axis=-1)
+        >>> q.data.dtype, q.scale.dtype, q.scale.shape, q.block_shape
+        (dtype(float8_e4m3fn), dtype(float8_e8m0fnu), (2, 1), (1, 32))
+        >>> bool((q.to_array(jnp.float32) == x).all())
+        True
+    """
+    spec = _resolve(np.shape(x), dtype, block_shape, axis, scale_rule, scale_dtype)
+    if isinstance(x, ScaledArray):
+        return _quantize(x.to_array(jnp.float32), spec)
+    if in_scalify_trace():
+        return quantize_p.bind(jnp.asarray(x), **dataclasses.asdict(spec))
+    return _quantize(stop_scaling(jnp.asarray(x), jnp.float32), spec)
+
+
+# -- resolving the arguments ----------------------------------------------------------------
+
+
+def _resolve(
+    shape: tuple[int, ...],
+    dtype: DTypeLike | BlockFormat,
+    block_shape: Sequence[int] | None,
+    axis: int | None,
+    scale_rule: str,
+    scale_dtype: DTypeLike | None,
+) -> QuantizeSpec:
+    if isinstance(dtype, BlockFormat):
+        if block_shape is not None:
+            raise ValueError(f"{dtype.name} sets the block shape: pass axis=, not block_shape=.")
+        block_shape = dtype.block_shape(len(shape), -1 if axis is None else axis)
+        scale_dtype = dtype.scale_dtype if scale_dtype is None else scale_dtype
+        dtype = dtype.element_dtype
+    elif axis is not None:
+        raise ValueError("axis= applies to a block format preset (js.formats); pass block_shape=.")
+    element = np.dtype(dtype)
+    if not jnp.issubdtype(element, jnp.floating):
+        raise TypeError(f"quantize needs a floating element format, got {element}.")
+    if scale_rule not in _SCALE_RULES:
+        raise ValueError(f"scale_rule is 'floor' or 'rceil', got {scale_rule!r}.")
+    scale_dtype = np.dtype(np.float32 if scale_dtype is None else scale_dtype)
+    if scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(f"scale_dtype is float32 or float8_e8m0fnu, got {scale_dtype}.")
+    blocks = None if block_shape is None else _blocks(shape, block_shape)
+    return QuantizeSpec(element, blocks, scale_rule, scale_dtype)
+
+
+def _blocks(shape: tuple[int, ...], block_shape: Sequence[int]) -> tuple[int, ...]:
+    """``block_shape`` with ``-1`` entries resolved, checked to tile ``shape``."""
+    block_shape = tuple(int(b) for b in block_shape)
+    if len(block_shape) != len(shape):
+        raise ValueError(
+            f"block_shape {block_shape} needs one entry per axis of an array of shape {shape}."
+        )
+    blocks = tuple(n if b == -1 else b for n, b in zip(shape, block_shape, strict=True))
+    if any(b < 1 or n % b for n, b in zip(shape, blocks, strict=True)):
+        raise ValueError(
+            f"block_shape {block_shape} does not tile an array of shape {shape}: every entry "
+            "must divide its axis (or be -1, the whole axis); quantize does not pad."
+        )
+    return blocks
+
+
+# -- the quantization itself ------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize(value: jax.Array, spec: QuantizeSpec) -> ScaledArray:
+    """``value`` (float32) quantized as ``spec`` says."""
+    scale = lax.stop_gradient(block_scales(value, spec))
+    data = _to_elements(value, scale, spec)
+    return ScaledArray._trusted(data, scale.astype(spec.scale_dtype))
+
+
+def block_scales(value: jax.Array, spec: QuantizeSpec) -> jax.Array:
+    """The float32 power-of-two scale of every block of ``value`` under ``spec``'s rule.
+
+    Example:
+        >>> spec = QuantizeSpec(np.dtype(jnp.float8_e4m3fn), (1, 2), "rceil")
+        >>> block_scales(jnp.array([[448.0, 1.0, 449.0, 0.0]]), spec).tolist()
+        [[1.0, 2.0]]
+    """
+    amax = _block_amax(value, spec.block_shape)
+    finfo = ml_dtypes.finfo(spec.element_dtype)
+    top = np.float32(finfo.max)
+    emax = int(np.frexp(top)[1]) - 1
+    exponent = lax.sub(pow2_exponent(amax), np.int32(emax))  # floor(log2(amax)) - emax
+    if spec.scale_rule == "rceil":  # + 1 where amax's mantissa is above top's
+        above = lax.gt(_mantissa_field(amax), top.view(np.uint32) & _MANTISSA_MASK)
+        exponent = lax.add(exponent, lax.convert_element_type(above, jnp.int32))
+    return pow2_from_exponent(exponent)  # clamped to [2^-126, 2^127]
+
+
+def _block_amax(value: jax.Array, block_shape: tuple[int, ...] | None) -> jax.Array:
+    """The largest finite magnitude of every block (0-d for ``None``: the whole tensor)."""
+    magnitude = jnp.where(jnp.isfinite(value), jnp.abs(value), np.float32(0))
+    if block_shape is None:
+        return jnp.max(magnitude)
+    grid = [n // b for n, b in zip(value.shape, block_shape, strict=True)]
+    interleaved = [n for pair in zip(grid, block_shape, strict=True) for n in pair]
+    block_axes = tuple(range(1, 2 * value.ndim, 2))
+    return jnp.max(magnitude.reshape(interleaved), axis=block_axes)
+
+
+def _mantissa_field(x: jax.Array) -> jax.Array:
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return lax.bitwise_and(bits, _MANTISSA_MASK)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _to_elements(value: jax.Array, scale: jax.Array, spec: QuantizeSpec) -> jax.Array:
+    """``value / scale`` (block scales) rounded to the element format, saturating."""
+    return round_to_format(_divide(value, expand_scale(scale, value.shape)), spec.element_dtype)
+
+
+def _divide(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x / scale`` for powers of two ``scale``, exact for float32-subnormal ``x`` too (XLA's
+    CPU backend flushes them in float arithmetic): ``x``'s mantissa times a ratio of powers
+    of two (a quotient below float32's normal range gives 0, as the format would)."""
+    mantissa, own = pow2_split(x)
+    return mantissa * pow2_ratio(own, scale)
+
+
+@_to_elements.defjvp
+def _to_elements_jvp(spec: QuantizeSpec, primals, tangents):
+    """Straight-through: the tangent is divided by the scale, neither rounded nor clipped."""
+    (value, scale), (tangent, _) = primals, tangents
+    out = _to_elements(value, scale, spec)
+    return out, (tangent / expand_scale(scale, value.shape)).astype(out.dtype)
+
+
+def round_to_format(x: jax.Array, dtype: DTypeLike) -> jax.Array:
+    """Float32 ``x`` rounded to the nearest value of format ``dtype`` (ties to even, the
+    format's subnormals kept), finite values beyond its largest clipped to it, in
+    :func:`~jax_scaled.formats.storage_dtype` (for float6: rounded here, as XLA cannot
+    cast to it; elsewhere XLA's cast, which is ml_dtypes'). Infinities become what the
+    format has for them: ``inf`` (E5M2), NaN (E4M3), the largest value (E2M1, float6);
+    NaN stays NaN, except in E2M1, which has none (a zero, as ml_dtypes casts).
+
+    Example:
+        >>> round_to_format(jnp.array([0.3, 9.0, 1e9]), jnp.float6_e2m3fn).tolist()
+        [0.25, 7.5, 7.5]
+    """
+    top = np.float32(ml_dtypes.finfo(dtype).max)
+    storage = storage_dtype(dtype)
+    if storage != np.dtype(dtype):  # float6: no infinities (inf saturates, as in ml_dtypes)
+        return _round_to_grid(lax.clamp(-top, x, top), ml_dtypes.finfo(dtype)).astype(storage)
+    return jnp.where(jnp.isfinite(x), lax.clamp(-top, x, top), x).astype(storage)
+
+
+def _round_to_grid(x: jax.Array, finfo: Any) -> jax.Array:
+    """Round to the values of a format with ``finfo.nmant`` mantissa bits and smallest normal
+    exponent ``finfo.minexp``: a multiple of ``2^(max(e, minexp) - nmant)`` for ``x`` in
+    ``[2^e, 2^(e+1))``, ties to even (multiplications by powers of two are exact)."""
+    exponent = lax.sub(biased_exponent(lax.abs(x)), np.int32(EXPONENT_BIAS))
+    step = pow2_from_exponent(lax.max(exponent, np.int32(finfo.minexp)) - np.int32(finfo.nmant))
+    return lax.round(x / step, lax.RoundingMethod.TO_NEAREST_EVEN) * step
+
+
+# -- under scalify: the quantize primitive ------------------------------------------------
+
+_scalify_traces = ThreadStack()
+
+
+@contextlib.contextmanager
+def tracing_for_scalify() -> Iterator[None]:
+    """Context in which :func:`quantize` binds the ``quantize`` primitive: for scalify to
+    enter while it traces a function, so that a quantized value is a plain array of the
+    traced program (held by scalify as a block-scaled ScaledArray).
+
+    Example:
+        >>> with tracing_for_scalify():
+        ...     in_scalify_trace()
+        True
+    """
+    _scalify_traces.items.append(True)
+    try:
+        yield
+    finally:
+        _scalify_traces.items.pop()
+
+
+def in_scalify_trace() -> bool:
+    """True inside :func:`tracing_for_scalify` (in this thread).
+
+    Example:
+        >>> in_scalify_trace()
+        False
+    """
+    return bool(_scalify_traces.items)
+
+
+def _quantize_impl(x, **params) -> jax.Array:
+    """Outside scalify (scale 1): ``x`` rounded to the element format, saturating."""
+    return round_to_format(x.astype(jnp.float32), params["element_dtype"])
+
+
+def _quantize_batcher(args, dims, *, block_shape, **params):
+    """Each example is quantized alone: a block of 1 along the batch axis."""
+    (x,), (axis,) = args, dims
+    if block_shape is None:  # one scale per example
+        block_shape = tuple(n for d, n in enumerate(x.shape) if d != axis)
+    batched = (*block_shape[:axis], 1, *block_shape[axis:])
+    return quantize_p.bind(x, block_shape=batched, **params), axis
+
+
+quantize_p = jxi.define_primitive(
+    "quantize", _quantize_impl, straight_through=True, batcher=_quantize_batcher
+)
+
+
+@register_scale_rule(quantize_p, applies_to_unscaled=True)
+def _quantize_rule(x, **params) -> ScaledArray:
+    """A plain, per-tensor or block-scaled ``x`` quantized from its float32 value."""
+    value = x.to_array(jnp.float32) if isinstance(x, ScaledArray) else x.astype(jnp.float32)
+    return _quantize(value, QuantizeSpec(**params))
+
+
+register_block_rule(quantize_p)(_quantize_rule)
+
+__all__ = [
+    "QuantizeSpec",
+    "block_scales",
+    "in_scalify_trace",
+    "quantize",
+    "quantize_p",
+    "round_to_format",
+    "tracing_for_scalify",
+]

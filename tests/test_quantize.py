@@ -1,0 +1,346 @@
+"""js.quantize and js.formats: bit-exact against a float64 NumPy + ml_dtypes reference,
+straight-through gradients, E8M0 scales, presets, and quantize under jit, vmap and scalify."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import jax_scaled as js
+from jax_scaled.formats import storage_dtype
+from jax_scaled.quantize import tracing_for_scalify
+
+ELEMENTS = [f.element_dtype for f in js.formats.MX_FORMATS]
+RULES = ["floor", "rceil"]
+SHAPE = (128, 256)
+LAYOUTS = {
+    "per-tensor": None,
+    "per-row": (1, 256),
+    "1x32": (1, 32),
+    "32x1": (32, 1),
+    "128x128": (128, 128),
+}
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+
+
+# -- the float64 reference ------------------------------------------------------------------
+
+
+def _interleaved(shape, blocks):
+    return [n for g, b in zip([s // b for s, b in zip(shape, blocks)], blocks) for n in (g, b)]
+
+
+def reference(x: np.ndarray, dtype, block_shape, rule: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(data in the element format, float64 scales)`` computed in float64 with numpy."""
+    x = np.asarray(x, np.float64)
+    top = float(ml_dtypes.finfo(dtype).max)
+    emax = np.frexp(top)[1] - 1
+    blocks = x.shape if block_shape is None else block_shape
+    tiled = x.reshape(_interleaved(x.shape, blocks))
+    odd = tuple(range(1, 2 * x.ndim, 2))
+    amax = np.where(np.isfinite(tiled), np.abs(tiled), 0).max(axis=odd, keepdims=True)
+    if rule == "floor":
+        exponent = np.frexp(amax)[1] - 1 - emax  # floor(log2(amax)) - emax
+    else:  # ceil(log2(amax / top)), exact: the quotient is never a power of two by rounding
+        mantissa, exponent = np.frexp(amax / top)
+        exponent = np.where(mantissa == 0.5, exponent - 1, exponent)
+    exponent = np.clip(np.where(amax == 0, -126, exponent), -126, 127)
+    scale = np.ldexp(1.0, exponent)
+    scaled = tiled / scale
+    scaled = np.where(np.isfinite(scaled), np.clip(scaled, -top, top), scaled)
+    data = scaled.reshape(x.shape).astype(dtype)
+    grid = [s // b for s, b in zip(x.shape, blocks)]
+    return data, scale.reshape(grid if block_shape is not None else ())
+
+
+def assert_matches_reference(q: js.ScaledArray, x, dtype, block_shape, rule: str) -> None:
+    data, scale = reference(x, dtype, block_shape, rule)
+    assert q.data.dtype == storage_dtype(dtype)
+    expected = data.astype(storage_dtype(dtype)).view(np.uint8)  # float6: exact in E4M3
+    np.testing.assert_array_equal(np.asarray(q.data).view(np.uint8), expected)
+    np.testing.assert_array_equal(np.asarray(q.scale, np.float64), scale)
+    if q.scale.dtype == E8M0:
+        np.testing.assert_array_equal(
+            np.asarray(q.scale).view(np.uint8), scale.astype(E8M0).view(np.uint8)
+        )
+
+
+# -- strategies ------------------------------------------------------------------------------
+
+
+@st.composite
+def block_structured(draw, shape=SHAPE, tile=(32, 32)) -> np.ndarray:
+    """float32 data whose 32x32 tiles are Gaussian at a random power of two, all zero,
+    float32-subnormal, near float32's smallest normal (the scale clamp), spread over 2^24
+    (the format's subnormals and flushes), or with values that saturate under ``floor``
+    (mantissa 1.99 at the tile's top)."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    kinds = ["gaussian", "zero", "subnormal", "tiny", "spread", "saturating"]
+    weights = np.array([draw(st.integers(0, 4)) for _ in kinds], np.float64) + 0.01
+    low, high = sorted(draw(st.integers(-40, 40)) for _ in range(2))
+    out = np.empty(shape, np.float32)
+    for i in range(0, shape[0], tile[0]):
+        for j in range(0, shape[1], tile[1]):
+            kind = rng.choice(kinds, p=weights / weights.sum())
+            out[i : i + tile[0], j : j + tile[1]] = _tile(rng, kind, tile, low, high)
+    if draw(st.booleans()):  # a few outliers 2^10 above the rest
+        where = rng.integers(0, out.size, 8)
+        out.flat[where] *= np.float32(2.0**10)
+    return out
+
+
+def _tile(rng, kind: str, tile, low: int, high: int) -> np.ndarray:
+    gaussian = rng.standard_normal(tile)
+    if kind == "zero":
+        return np.zeros(tile, np.float32) * np.sign(gaussian)  # signed zeros
+    if kind == "subnormal":
+        return (gaussian * 2.0**-135).astype(np.float32)
+    if kind == "tiny":
+        return (gaussian * 2.0**-122).astype(np.float32)
+    if kind == "spread":
+        return (gaussian * 2.0 ** rng.uniform(-24, 0, tile) * 2.0**low).astype(np.float32)
+    if kind == "saturating":
+        values = gaussian * 2.0 ** rng.integers(low, high + 1)
+        values.flat[rng.integers(0, values.size)] = 1.99 * np.abs(values).max()
+        return values.astype(np.float32)
+    return (gaussian * 2.0 ** rng.integers(low, high + 1)).astype(np.float32)
+
+
+# -- bit-exact against the reference ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", ELEMENTS, ids=str)
+@given(x=block_structured(), e8m0=st.booleans())
+def test_quantize_is_bit_exact(dtype, rule, layout, x, e8m0):
+    scale_dtype = E8M0 if e8m0 else np.float32
+    block_shape = LAYOUTS[layout]
+    q = js.quantize(x, dtype, block_shape=block_shape, scale_rule=rule, scale_dtype=scale_dtype)
+    assert q.scale.dtype == scale_dtype
+    assert_matches_reference(q, x, dtype, block_shape, rule)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", ELEMENTS, ids=str)
+@given(
+    x=hnp.arrays(np.float32, (4, 32), elements=st.floats(width=32, allow_nan=False)),
+    layout=st.sampled_from([None, (1, 32), (4, 1), (1, 8), (2, 16)]),
+)
+def test_quantize_is_bit_exact_on_any_float32(dtype, rule, x, layout):
+    """Every float32, subnormals, +-0, +-inf and the largest finite values included."""
+    q = js.quantize(x, dtype, block_shape=layout, scale_rule=rule)
+    assert_matches_reference(q, x, dtype, layout, rule)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_narrow_inputs_are_quantized_from_their_value(dtype):
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(dtype)
+    q = js.quantize(x, jnp.float8_e4m3fn, block_shape=(1, 32))
+    assert_matches_reference(q, x.astype(np.float32), jnp.float8_e4m3fn, (1, 32), "floor")
+
+
+# -- scale rules, zeros and non-finite values -------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ELEMENTS, ids=str)
+@given(x=block_structured())
+def test_rceil_never_saturates_and_floor_does(dtype, x):
+    top = float(ml_dtypes.finfo(dtype).max)
+    q = js.quantize(x, dtype, block_shape=(1, 32), scale_rule="rceil")
+    scale = np.repeat(np.asarray(q.scale, np.float64), 32, axis=1)
+    assert np.all(np.abs(x / scale) <= top)
+    saturating = np.array([[1.0] * 31 + [1.99]], np.float32)
+    floor = js.quantize(saturating, dtype, block_shape=(1, 32))
+    assert float(np.asarray(floor.data, np.float32)[0, -1]) == top
+
+
+def test_zero_blocks_get_the_smallest_scale_in_e8m0():
+    x = np.zeros((2, 64), np.float32)
+    x[1, 32:] = 3.0
+    q = js.quantize(x, js.formats.MXFP8_E4M3, axis=-1)
+    scales = np.asarray(q.scale, np.float32)
+    assert scales.tolist() == [[2.0**-126, 2.0**-126], [2.0**-126, 2.0**-7]]
+    assert not np.isnan(scales).any()
+    np.testing.assert_array_equal(q.to_array(jnp.float32), x)
+
+
+def test_non_finite_values_take_no_part_in_the_scale():
+    x = np.array([[np.inf, -2.0, 1.0, np.nan]], np.float32)
+    q = js.quantize(x, jnp.float8_e5m2, block_shape=(1, 4))
+    assert q.scale.tolist() == [[2.0**-14]]  # from amax 2: floor(log2(2)) - 15
+    np.testing.assert_array_equal(q.to_array(jnp.float32), x)
+    e4m3 = js.quantize(x, jnp.float8_e4m3fn, block_shape=(1, 4)).to_array(jnp.float32)
+    assert np.isnan(e4m3[0, 0]) and np.isnan(e4m3[0, 3])  # no inf in E4M3: NaN
+
+
+# -- presets ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", js.formats.MX_FORMATS, ids=lambda f: f.name)
+def test_presets_block_32_elements_along_an_axis_with_e8m0_scales(fmt):
+    x = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
+    q = js.quantize(x, fmt, axis=0)
+    assert q.block_shape == (32, 1) and q.scale.dtype == E8M0
+    assert_matches_reference(q, x, fmt.element_dtype, (32, 1), "floor")
+    rows = js.quantize(x, fmt, scale_rule="rceil")  # axis=-1 by default
+    assert rows.block_shape == (1, 32)
+    assert_matches_reference(rows, x, fmt.element_dtype, (1, 32), "rceil")
+    bits = {8: 8.25, 6: 6.25, 4: 4.25}[ml_dtypes.finfo(fmt.element_dtype).bits]
+    assert fmt.bits_per_element == bits
+
+
+def test_float6_data_is_stored_in_e4m3():
+    q = js.quantize(jnp.array([[0.3] * 31 + [9.0]]), js.formats.MXFP6_E2M3)
+    assert q.data.dtype == jnp.float8_e4m3fn and q.scale.tolist() == [[2.0]]
+    assert q.to_array(jnp.float32)[0, -2:].tolist() == [0.25, 9.0]  # 0.15 -> 0.125 at scale 2
+    assert storage_dtype(jnp.float6_e3m2fn) == jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"dtype": jnp.float8_e4m3fn, "block_shape": (3, 32)}, ValueError),  # 3 does not tile
+        ({"dtype": jnp.float8_e4m3fn, "block_shape": (32,)}, ValueError),  # rank
+        ({"dtype": jnp.float8_e4m3fn, "axis": 0}, ValueError),  # axis needs a preset
+        ({"dtype": js.formats.MXFP8_E4M3, "block_shape": (1, 32)}, ValueError),
+        ({"dtype": js.formats.MXFP8_E4M3, "axis": 2}, ValueError),
+        ({"dtype": jnp.float8_e4m3fn, "scale_rule": "ceil"}, ValueError),
+        ({"dtype": jnp.float8_e4m3fn, "scale_dtype": jnp.float16}, ValueError),
+        ({"dtype": jnp.int8}, TypeError),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, error):
+    with pytest.raises(error):
+        js.quantize(jnp.ones((64, 64)), **kwargs)
+
+
+# -- gradients --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", js.formats.MX_FORMATS, ids=lambda f: f.name)
+def test_gradient_is_straight_through(fmt):
+    x = np.random.default_rng(2).standard_normal((4, 64)).astype(np.float32)
+    x[0, 0] = 1.99 * np.abs(x[0]).max()  # saturates under floor: still gets its gradient
+
+    def loss(x):
+        return jnp.sum(js.quantize(x, fmt).to_array(jnp.float32))
+
+    np.testing.assert_array_equal(jax.grad(loss)(x), np.ones_like(x))
+    np.testing.assert_array_equal(jax.jit(jax.grad(loss))(x), np.ones_like(x))
+
+
+def test_tangent_is_divided_by_the_scale_and_cast_to_the_element_format():
+    x = jnp.array([[4.0, 1.0]])
+    q, dq = jax.jvp(lambda x: js.quantize(x, jnp.float8_e4m3fn), (x,), (jnp.array([[0.5, 2.0]]),))
+    assert float(q.scale) == 2.0**-6
+    assert dq.data.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(dq.data, np.float32), [[32.0, 128.0]])
+
+
+# -- transformations --------------------------------------------------------------------------
+
+
+def test_quantize_under_jit_matches_eager():
+    x = np.random.default_rng(3).standard_normal((32, 64)).astype(np.float32)
+    fmt = js.formats.MXFP4_E2M1
+    eager, jitted = js.quantize(x, fmt), jax.jit(lambda x: js.quantize(x, fmt))(x)
+    np.testing.assert_array_equal(np.asarray(eager.data), np.asarray(jitted.data))
+    np.testing.assert_array_equal(np.asarray(eager.scale), np.asarray(jitted.scale))
+
+
+def test_quantize_under_vmap_quantizes_each_example():
+    x = np.random.default_rng(4).standard_normal((3, 8, 64)).astype(np.float32)
+    mapped = jax.vmap(lambda a: js.quantize(a, jnp.float8_e5m2, block_shape=(1, 32)))(x)
+    assert mapped.scale.shape == (3, 8, 2)
+    assert_matches_reference(mapped, x, jnp.float8_e5m2, (1, 1, 32), "floor")
+    whole = jax.vmap(lambda a: js.quantize(a, jnp.float8_e5m2, block_shape=(-1, -1)))(x)
+    assert whole.scale.shape == (3, 1, 1)  # one scale per example
+    assert_matches_reference(whole, x, jnp.float8_e5m2, (1, 8, 64), "floor")
+
+
+def test_scaled_array_inputs_are_requantized_from_their_value():
+    x = np.random.default_rng(5).standard_normal((8, 64)).astype(np.float32)
+    for scaled in [js.as_scaled_array(x), js.quantize(x, jnp.float8_e4m3fn, block_shape=(8, 1))]:
+        value = np.asarray(scaled.to_array(jnp.float32))
+        q = js.quantize(scaled, js.formats.MXFP8_E5M2)
+        assert_matches_reference(q, value, jnp.float8_e5m2, (1, 32), "floor")
+
+
+# -- under scalify ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_scalify_returns_the_block_scaled_array(scaled):
+    x = np.random.default_rng(6).standard_normal((8, 64)).astype(np.float32)
+    arg = js.as_scaled_array(x) if scaled else x
+    q = js.scalify(lambda x: js.quantize(x, js.formats.MXFP8_E4M3))(arg)
+    assert isinstance(q, js.ScaledArray) and q.block_shape == (1, 32)
+    value = np.asarray(js.as_scaled_array(x).to_array(jnp.float32)) if scaled else x
+    assert_matches_reference(q, value, jnp.float8_e4m3fn, (1, 32), "floor")
+
+
+def test_quantize_primitive_feeds_later_operations_under_scalify():
+    """While scalify traces under tracing_for_scalify, the quantized value is held as a
+    block-scaled ScaledArray that later operations propagate."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 16)).astype(np.float32)
+    fmt = js.formats.MXFP8_E4M3
+
+    def f(x, w):
+        q = js.quantize(x, fmt)
+        return q.astype(jnp.float32) * 2, q.astype(jnp.float32) @ w
+
+    with tracing_for_scalify(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fall back to one scale per tensor
+        doubled, product = js.scalify(f)(js.as_scaled_array(x), js.as_scaled_array(w))
+    dequantized = np.asarray(js.quantize(x, fmt).to_array(jnp.float32))
+    assert doubled.block_shape == (1, 32)
+    np.testing.assert_array_equal(js.asarray(doubled), 2 * dequantized)
+    np.testing.assert_allclose(js.asarray(product), dequantized @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_primitive_is_straight_through_and_batches_under_scalify():
+    x = np.random.default_rng(8).standard_normal((3, 4, 64)).astype(np.float32)
+    fmt = js.formats.MXFP6_E3M2
+
+    def loss(x):
+        return jnp.sum(js.quantize(x, fmt).astype(jnp.float32) * 3.0)
+
+    with tracing_for_scalify():
+        grad = js.scalify(jax.grad(loss))(js.as_scaled_array(x))
+        mapped = js.scalify(jax.vmap(lambda a: js.quantize(a, fmt)))(x)
+    np.testing.assert_array_equal(js.asarray(grad), np.full_like(x, 3.0))
+    assert mapped.block_shape == (1, 1, 32)
+    assert_matches_reference(mapped, x, fmt.element_dtype, (1, 1, 32), "floor")
+
+
+def test_scalify_quantizes_in_the_traced_program():
+    x = np.random.default_rng(9).standard_normal((8, 64)).astype(np.float32)
+    out = js.scalify(lambda x: js.quantize(x, js.formats.MXFP8_E4M3) * 2)(x)
+    assert out.block_shape == (1, 32)
+    expected = 2 * js.quantize(x, js.formats.MXFP8_E4M3).to_array(jnp.float32)
+    np.testing.assert_array_equal(out.to_array(jnp.float32), expected)
+
+
+def test_quantize_primitive_outside_scalify_rounds_at_scale_one():
+    from jax_scaled.quantize import quantize_p
+
+    out = quantize_p.bind(
+        jnp.array([0.3, 1000.0]),
+        element_dtype=np.dtype(jnp.float8_e4m3fn),
+        block_shape=None,
+        scale_rule="floor",
+        scale_dtype=np.dtype(np.float32),
+    )
+    assert out.dtype == jnp.float8_e4m3fn
+    assert np.asarray(out, np.float32).tolist() == [0.3125, 448.0]
