@@ -17,7 +17,8 @@ weight grad ``dw = x^T g``    ``M`` (the batch)      ``x`` and ``g`` in columns 
 
 The transposed operands of the backward matmuls are quantized again **from the
 high-precision values** saved by the forward pass (``x`` and ``w``), never re-blocked from
-already quantized data (which would round twice). The products are accumulated in float32.
+already quantized data (which would round twice). The products are accumulated in float32
+and leave with one scale per tensor (:func:`~jax_scaled.ops.merge_blocks`).
 
 **Where it runs.** Under :func:`~jax_scaled.scalify` the quantized operands are block-scaled
 ScaledArrays of FP8/FP4 data and each matmul is scalify's block ``dot_general`` rule
@@ -54,6 +55,7 @@ import numpy as np
 from jax import lax
 
 from jax_scaled.array import ScaledArray
+from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.quantize import quantize
 
 DTypeLike = Any
@@ -137,7 +139,7 @@ def untiled_axes(x_shape: tuple, w_shape: tuple, recipe: BlockRecipe) -> str:
     Example:
         >>> untiled_axes((4, 64, 96), (96, 128), FP8_BLOCK128)
         'K = 96 (a multiple of 128)'
-        >>> untiled_axes((4, 96), (96, 64), MXFP8)
+        >>> untiled_axes((64, 96), (96, 64), MXFP8)
         ''
     """
     (wk, wn), b = recipe.w_block, recipe.x_block
@@ -184,11 +186,14 @@ def _quantize(value: jax.Array, dtype: np.dtype, blocks, recipe: BlockRecipe) ->
 
 def _contract(a: Any, b: Any, contracting: tuple, dtype: DTypeLike) -> jax.Array:
     """The product of two quantized operands, accumulated in float32, returned as ``dtype``:
-    on their narrow data under scalify (block-scaled ScaledArrays there), dequantized outside."""
+    on their narrow data under scalify (block-scaled ScaledArrays there), dequantized outside.
+    The product leaves scalify with one scale per tensor (:func:`merge_blocks`): a per-row
+    output (block-128 with one block along the contracting axis) would otherwise carry its
+    row scales into every following operation."""
     if isinstance(a, ScaledArray):  # outside scalify: the exact values of the quantized data
         a, b = a.to_array(F32), b.to_array(F32)
     dims = (contracting, ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=F32).astype(dtype)
+    return merge_blocks(lax.dot_general(a, b, dims, preferred_element_type=F32).astype(dtype))
 
 
 __all__ = [

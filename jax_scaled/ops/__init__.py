@@ -8,6 +8,7 @@ Example:
     (dtype(float8_e4m3fn), True)
 """
 
+from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.ops.casts import (
     cast_on_backward,
     cast_on_forward,
@@ -25,6 +26,7 @@ from jax_scaled.ops.rescale import (
 )
 
 __all__ = [
+    "merge_blocks",
     "DelayedScaling",
     "DelayedScalingState",
     "amax",
