@@ -53,12 +53,15 @@ class Numerics:
     E5M2's two mantissa bits on the logits gradient alone shrink every weight gradient's
     norm by 3% on average and the embedding's by 10%, in this model.
     ``rescale_layernorm_grad``: every LayerNorm input passes through
-    :func:`jax_scaled.ops.dynamic_rescale_l2_grad`.
+    :func:`jax_scaled.ops.dynamic_rescale_l2_grad`. ``block``: a block-scaled recipe
+    (:class:`jax_scaled.nn.BlockRecipe`, e.g. ``js.nn.MXFP8``) for the same weight matmuls,
+    instead of ``fp8_matmuls``' per-tensor casts (the head follows ``fp8_head`` too).
     """
 
     fp8_matmuls: bool = False
     rescale_layernorm_grad: bool = False
     fp8_head: bool = False
+    block: Any = None
 
 
 def dense(x: jax.Array, w: jax.Array, b: jax.Array | None, numerics: Numerics) -> jax.Array:
@@ -69,6 +72,8 @@ def dense(x: jax.Array, w: jax.Array, b: jax.Array | None, numerics: Numerics) -
         >>> dense(x, w, None, Numerics(fp8_matmuls=True)).tolist()[0]
         [2.0, 2.0, 2.0]
     """
+    if numerics.block is not None:
+        return js.nn.linear(x, w, b, block=numerics.block)
     if numerics.fp8_matmuls:
         return js.nn.linear(x, w, b, x_dtype=E4M3, w_dtype=E4M3, grad_dtype=E5M2)
     return js.nn.linear(x, w, b)
@@ -184,7 +189,7 @@ class GPT(nn.Module):
         x = LayerNorm(self.numerics, name="ln_f")(x)
         head_numerics = self.numerics
         if not head_numerics.fp8_head:
-            head_numerics = dataclasses.replace(head_numerics, fp8_matmuls=False)
+            head_numerics = dataclasses.replace(head_numerics, fp8_matmuls=False, block=None)
         if cfg.tie_embeddings:
             return dense(x, wte.T, None, head_numerics)
         return Dense(cfg.vocab_size, head_numerics, use_bias=False, name="head")(x)

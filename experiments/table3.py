@@ -1,19 +1,40 @@
 """The scalify paper's Table 3 on a small character-level GPT: FP32, raw FP16, FP16 with loss
-scaling, and the four scalify configurations (FP16 and FP8, FP32 or FP16 master weights and
-optimizer state).
+scaling, the four scalify configurations (FP16 and FP8, FP32 or FP16 master weights and
+optimizer state), and FP8 by a format policy on the unmodified model.
 
 ::
 
     python -m experiments.table3 --quick                 # all configurations, ~15 min on 2 cores
-    python -m experiments.table3 --demo                  # a 4-configuration subset, ~3 min
+    python -m experiments.table3 --demo                  # a 5-configuration subset, ~3 min
     python -m experiments.table3 --report docs/results   # full run: table3.{md,json} + plot
     python -m experiments.table3 --configs fp32,fp8_scalify --steps 200 --text my.txt
+    python -m experiments.table3 --plot-scales docs/results   # scales_<config>.png, no training
 
 Every configuration trains the same model (:mod:`experiments.gpt`) from the same float32
 initialisation, on the same batches, with the same optimizer (Adam, linear warmup then cosine
 decay); only the numerics differ (:data:`PRECISIONS`). The scalify configurations run the
 plain train step as ``jax.jit(js.scalify(step))`` with ScaledArray parameters and optimizer
 state; the token ids stay plain integers.
+
+Block-scaled recipes (``mxfp8_scalify``, ``fp8_block128_scalify``,
+``mxfp4_weights_scalify``) are ``fp8_scalify`` with the blocks' weight matmuls on block
+scales instead of per-tensor casts (:func:`jax_scaled.nn.block_linear`); block-128 needs a
+width and a batch x context that are multiples of 128 (the full and quick sizes).
+
+FP8 comes in two ways. ``fp8_scalify`` and ``fp8_scalify_fp16_opt`` (the paper's #3 and #4)
+ask the model for it: :class:`experiments.gpt.Numerics` makes the blocks' weight matmuls
+FP8 ``js.nn.linear`` calls and rescales the LayerNorm gradients. ``fp8_policy_scalify``
+leaves the model as written (default ``Numerics``: 16-bit matmuls, no rescaling) and applies
+:func:`jax_scaled.dot_formats` to the loss from outside,
+``js.scalify(jax.value_and_grad(js.dot_formats(loss, ...)))``: every ``dot_general`` of the
+model (the blocks' weight matmuls and both attention products) takes E4M3 operands forward
+and an E5M2 output gradient backward, except the output head (logits), excluded by its
+``[width, vocab]`` operand and kept in FP16, as FP8 recipes (Transformer Engine, torchao)
+keep the output layer in 16 bits. Its master weights and Adam state are FP16, as in #4.
+
+``--plot-scales DIR`` records one training step of each scalify configuration with
+``js.diagnostics.record_scales()`` and writes its chart (``js.diagnostics.plot``) to
+``DIR/scales_<config>.png``; the plain configurations hold no ScaledArray to record.
 """
 
 from __future__ import annotations
@@ -52,14 +73,21 @@ class Precision:
     master_dtype: Any = F32  # parameters between steps
     state_dtype: Any = F32  # Adam's moments between steps
     scalify: bool = False
-    fp8_matmuls: bool = False
+    fp8_matmuls: bool = False  # the model's weight matmuls in FP8 (gpt.Numerics)
+    fp8_policy: bool = False  # every contraction but the head in FP8 by js.dot_formats
+    block: Any = None  # a js.nn.BlockRecipe for the model's weight matmuls (gpt.Numerics)
     rescale_layernorm_grad: bool = False
     rescale_grads: bool = False  # dynamic rescale of the gradients entering the optimizer
     loss_scaling: bool = False
 
     @property
     def numerics(self) -> gpt.Numerics:
-        return gpt.Numerics(self.fp8_matmuls, self.rescale_layernorm_grad)
+        return gpt.Numerics(self.fp8_matmuls, self.rescale_layernorm_grad, block=self.block)
+
+    @property
+    def fp8(self) -> bool:
+        """True when some matmuls run in FP8 (in the model or by the policy)."""
+        return self.fp8_matmuls or self.fp8_policy or self.block is not None
 
 
 PRECISIONS: dict[str, Precision] = {
@@ -75,9 +103,17 @@ PRECISIONS: dict[str, Precision] = {
                   rescale_layernorm_grad=True),
         Precision("fp8_scalify_fp16_opt", "#4", F16, F16, F16, scalify=True, fp8_matmuls=True,
                   rescale_layernorm_grad=True, rescale_grads=True),
+        Precision("fp8_policy_scalify", "", F16, F16, F16, scalify=True, fp8_policy=True,
+                  rescale_grads=True),
+        Precision("mxfp8_scalify", "", F16, F16, F32, scalify=True, block=js.nn.MXFP8,
+                  rescale_layernorm_grad=True),
+        Precision("fp8_block128_scalify", "", F16, F16, F32, scalify=True,
+                  block=js.nn.FP8_BLOCK128, rescale_layernorm_grad=True),
+        Precision("mxfp4_weights_scalify", "", F16, F16, F32, scalify=True,
+                  block=js.nn.MXFP4_WEIGHTS, rescale_layernorm_grad=True),
     )
 }  # fmt: skip
-DEMO_CONFIGS = ("fp32", "fp16_raw", "fp16_scalify", "fp8_scalify")
+DEMO_CONFIGS = ("fp32", "fp16_raw", "fp16_scalify", "fp8_scalify", "fp8_policy_scalify")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,13 +203,32 @@ def make_optimizer(config: TrainConfig, precision: Precision) -> optax.GradientT
 
 
 def make_loss(model: gpt.GPT, precision: Precision) -> Callable:
-    """``(params, inputs, targets) -> loss`` with the parameters cast to the compute dtype."""
+    """``(params, inputs, targets) -> loss`` with the parameters cast to the compute dtype
+    (and the FP8 format policy applied, for a ``fp8_policy`` configuration)."""
 
     def loss(params, inputs, targets):
         params = js.tree.astype(params, precision.compute_dtype)
         return gpt.next_char_loss(model, params, inputs, targets)
 
-    return loss
+    return fp8_policy(loss, model.config) if precision.fp8_policy else loss
+
+
+def fp8_policy(loss: Callable, model: gpt.GPTConfig) -> Callable:
+    """``loss`` with every ``dot_general`` of the model in FP8 (:func:`jax_scaled.dot_formats`):
+    E4M3 operands forward, E5M2 output gradient backward; the output head (logits), the
+    contraction with a ``[width, vocab]`` operand, stays in the compute dtype.
+
+    Example:
+        >>> config = gpt.GPTConfig(vocab_size=10, width=16)
+        >>> fp8_policy(lambda x, w: x @ w, config)(jnp.ones((2, 16)), jnp.ones((16, 10))).dtype
+        dtype('float32')
+    """
+    head = (model.width, model.vocab_size)
+    kernels = {(model.width, n * model.width) for n in (1, 3, model.mlp_ratio)}
+    if head in kernels:
+        raise ValueError(f"vocab_size {model.vocab_size}: the head's shape {head} is also a "
+                         "block kernel's, so it cannot tell the head apart")  # fmt: skip
+    return js.dot_formats(loss, lhs=gpt.E4M3, rhs=gpt.E4M3, grad=gpt.E5M2, exclude=[head])
 
 
 def make_step(loss: Callable, opt: optax.GradientTransformation, precision: Precision) -> Callable:
@@ -301,15 +356,20 @@ def train(
     }
 
 
+def training_batches(config: TrainConfig, corpus: corpus_lib.Corpus) -> list:
+    """The ``config.steps`` training batches ``(inputs, targets)``, the same for every run."""
+    rng = np.random.default_rng(config.seed)
+    sample = corpus_lib.sample_windows
+    return [
+        sample(corpus.train, config.context, config.batch_size, rng) for _ in range(config.steps)
+    ]
+
+
 def run(
     names: Sequence[str], config: TrainConfig, corpus: corpus_lib.Corpus, progress: bool = True
 ) -> dict[str, dict[str, Any]]:
     """Train every configuration in ``names`` on ``corpus``; results keyed by name."""
-    rng = np.random.default_rng(config.seed)
-    sample = corpus_lib.sample_windows
-    train_batches = [
-        sample(corpus.train, config.context, config.batch_size, rng) for _ in range(config.steps)
-    ]
+    train_batches = training_batches(config, corpus)
     val_batches = corpus_lib.fixed_windows(
         corpus.validation, config.context, config.batch_size, config.eval_batches, config.seed + 1
     )
@@ -324,14 +384,49 @@ def run(
     return results
 
 
+def plot_scales(
+    names: Sequence[str],
+    config: TrainConfig,
+    corpus: corpus_lib.Corpus,
+    directory: str | pathlib.Path,
+    metric: str = "rms",
+) -> list[pathlib.Path]:
+    """Record the first training step of each scalify configuration in ``names``
+    (``js.diagnostics.record_scales``) and chart it to ``directory/scales_<name>.png``
+    (``js.diagnostics.plot``); the paths written. Plain configurations are skipped: they hold
+    no ScaledArray, so there is nothing to record."""
+    out = pathlib.Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    inputs, targets = training_batches(dataclasses.replace(config, steps=1), corpus)[0]
+    params = gpt.init_params(config.model_config(corpus.vocab_size), config.seed)
+    paths = []
+    for name in names:
+        if not PRECISIONS[name].scalify:
+            print(f"{name}: not scalified, no scales to record (skipped)", flush=True)
+            continue
+        runner = build(PRECISIONS[name], config, params, corpus.vocab_size)
+        with js.diagnostics.record_scales() as records:
+            runner.step(*runner.state, inputs, targets)  # traced here: recorded
+        paths.append(out / f"scales_{name}.png")
+        title = f"{name}: {metric} of every scaled value of one training step (log2 axes)"
+        js.diagnostics.plot(records, path=str(paths[-1]), metric=metric, title=title)
+        print(f"{name}: {len(records)} records -> {paths[-1]}", flush=True)
+    return paths
+
+
 GOALS = {  # allowed |val_loss / fp32's - 1|: (full run, quick run)
     "fp16_scalify": (0.01, 0.02),
     "fp16_scalify_fp16_master": (0.01, 0.02),
     "fp8_scalify": (0.02, 0.02),
     "fp8_scalify_fp16_opt": (0.02, 0.02),
+    "fp8_policy_scalify": (0.02, 0.02),
+    "mxfp8_scalify": (0.01, 0.02),
+    "fp8_block128_scalify": (0.01, 0.02),
+    "mxfp4_weights_scalify": (0.03, 0.03),
     "fp16_loss_scaling": (0.01, 0.02),
 }
-FP16_STATE = ("fp16_raw", "fp8_scalify_fp16_opt")  # parameters and optimizer state in FP16
+# parameters and optimizer state in FP16
+FP16_STATE = ("fp16_raw", "fp8_scalify_fp16_opt", "fp8_policy_scalify")
 
 
 def relative_to_fp32(results: dict[str, dict], name: str) -> float:
@@ -388,15 +483,25 @@ def summary_line(name: str, r: dict[str, Any]) -> str:
     )
 
 
+BLOCK_LABELS = {
+    js.nn.MXFP8: "MXFP8",
+    js.nn.FP8_BLOCK128: "FP8 1x128 / 128x128",
+    js.nn.MXFP4_WEIGHTS: "MXFP4 W, MXFP8 A",
+}
+
+
 def _columns(p: Precision) -> list[str]:
     """The paper's Table 3 columns: matmul, master weights, weight gradients, optimizer state,
     dynamic rescaling, loss scaling."""
     fmt = {F32: "FP32", F16: "FP16"}
     rescaling = ["LayerNorm bwd"] * p.rescale_layernorm_grad + ["grads"] * p.rescale_grads
-    # js.nn.linear returns FP8 weight gradients only with wgrad_dtype set; the model leaves
-    # it at its default, the weight's own (compute) dtype.
+    matmul = BLOCK_LABELS.get(p.block)
+    if matmul is None:
+        matmul = "FP8 (policy)" if p.fp8_policy else "FP8" if p.fp8_matmuls else None
+    # js.nn.linear (and dot_formats) return FP8 weight gradients only with wgrad_dtype set;
+    # the model leaves it at its default, the weight's own (compute) dtype.
     return [
-        "FP8" if p.fp8_matmuls else fmt[p.compute_dtype],
+        matmul or fmt[p.compute_dtype],
         fmt[p.master_dtype],
         fmt[p.compute_dtype],
         fmt[p.state_dtype],
@@ -502,7 +607,21 @@ median wall time of a step on a shared machine; *State*: bytes of parameters and
 state between steps (a ScaledArray counts its data and its scale), relative to `fp32`'s.
 *Weight grads* is the format of the weight gradients the backward pass produces
 (`js.nn.linear` computes FP8 products but returns the weight gradient in the weight's
-compute dtype unless `wgrad_dtype` asks for FP8)."""
+compute dtype unless `wgrad_dtype` asks for FP8). *Matmul* FP8: the transformer blocks'
+weight matmuls take E4M3 operands forward and an E5M2 output gradient backward, asked for
+by the model (`js.nn.linear` with FP8 formats); the attention products and the output head
+(logits) stay FP16. *FP8 (policy)*: the model is left as written (16-bit matmuls, no
+LayerNorm rescaling) and `js.dot_formats` makes every contraction of its loss FP8 from
+outside, `js.scalify(jax.value_and_grad(js.dot_formats(loss, exclude=[(width, vocab)])))`:
+the weight matmuls and both attention products; the output head is excluded and stays FP16,
+as FP8 recipes keep the output layer in 16 bits. *MXFP8*, *FP8 1x128 / 128x128*, *MXFP4 W,
+MXFP8 A*: the blocks' weight matmuls on block-scaled operands (`js.nn.linear(block=...)`,
+recipes `js.nn.MXFP8`, `js.nn.FP8_BLOCK128`, `js.nn.MXFP4_WEIGHTS`): every matmul, forward
+and both gradients, quantizes its operands with one power-of-two scale per block along its
+contracting axis (MX: 32 elements, E8M0 scales; block-128: 1x128 activation and gradient
+tiles, 128x128 weight tiles), the transposed operands re-quantized from the 16-bit values;
+E4M3 (E2M1 for the MXFP4 weights) forward, E5M2 gradients for the MX recipes, E4M3 for
+block-128. Head and attention products stay FP16."""
 
 
 def write_report(directory: str, meta: dict, results: dict, goals: Goals) -> None:
@@ -535,6 +654,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--text", help="train on this text file instead of stdlib docstrings")
     parser.add_argument("--json", help="write the results as JSON to this file")
     parser.add_argument("--report", help="write table3.md, table3.json, table3_loss.png here")
+    parser.add_argument(
+        "--plot-scales", metavar="DIR",
+        help="record one training step of each scalify configuration and write "
+        "DIR/scales_<config>.png (js.diagnostics.plot); no training",
+    )  # fmt: skip
+    parser.add_argument("--scales-metric", choices=("rms", "max_abs"), default="rms",
+                        help="the statistic --plot-scales charts")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (none off a terminal anyway)"
@@ -565,6 +691,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m experiments.table3 " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = metadata(size, config, corpus, n_params, command.strip())
     print(header(meta), flush=True)
+    if args.plot_scales:
+        plot_scales(args.configs, config, corpus, args.plot_scales, args.scales_metric)
+        return 0
     start = time.perf_counter()
     results = run(args.configs, config, corpus, progress=not args.no_progress)
     meta["total_wall_s"] = round(time.perf_counter() - start, 1)

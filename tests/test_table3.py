@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -135,24 +136,68 @@ def test_untied_head_and_causality(tiny):
 # -- training ----------------------------------------------------------------------------
 
 
+# Block-128 tiles need width and batch x context multiples of 128.
+TINY_128 = dataclasses.replace(TINY, width=128, batch_size=8)
+
+
 @pytest.mark.parametrize("name", list(table3.PRECISIONS))
 def test_two_steps_per_configuration(name, tiny):
     corpus, params, (x, y) = tiny
     precision = table3.PRECISIONS[name]
-    runner = table3.build(precision, TINY, params, corpus.vocab_size)
+    config = TINY_128 if precision.block is js.nn.FP8_BLOCK128 else TINY
+    if config is not TINY:
+        params = gpt.init_params(config.model_config(corpus.vocab_size), seed=0)
+        x, y = corpus_lib.sample_windows(
+            corpus.train, config.context, config.batch_size, np.random.default_rng(0)
+        )
+    runner = table3.build(precision, config, params, corpus.vocab_size)
     reference = float(
-        gpt.next_char_loss(gpt.GPT(TINY.model_config(corpus.vocab_size)), params, x, y)
+        gpt.next_char_loss(gpt.GPT(config.model_config(corpus.vocab_size)), params, x, y)
     )
     state = runner.state
-    for _ in range(TINY.steps):
+    for _ in range(config.steps):
         *state, loss, finite = runner.step(*state, x, y)
         assert math.isfinite(table3.to_float(loss)) and bool(finite)
     first = table3.to_float(runner.evaluate(runner.state[0], x, y))  # before training
     tolerance = {table3.F32: 1e-5, table3.F16: 1e-2}[precision.compute_dtype]
-    assert abs(first - reference) <= tolerance * reference * (5 if precision.fp8_matmuls else 1)
+    assert abs(first - reference) <= tolerance * reference * (5 if precision.fp8 else 1)
     leaves = js.tree.tree_leaves(state[0])
     assert all(isinstance(p, js.ScaledArray) for p in leaves) == precision.scalify
     assert {p.dtype for p in leaves} == {jnp.dtype(precision.master_dtype)}
+
+
+_DOT = re.compile(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> ")
+FP8_TYPES = ("xf8E4M3FN>", "xf8E5M2>")
+
+
+def dot_operand_types(hlo: str) -> list[tuple[str, str]]:
+    """The operand types of every dot_general of a lowered (StableHLO) program."""
+    return [m.groups() for m in _DOT.finditer(hlo)]
+
+
+def test_fp8_policy_casts_every_model_dot_but_the_head(tiny):
+    """``fp8_policy_scalify``'s train step: all the model's contractions (the blocks' weight
+    matmuls and both attention products, forward and backward) take FP8 operands, but the
+    three of the output head (forward, input and weight gradients), which stay FP16."""
+    corpus, params, (x, y) = tiny
+    precision = table3.PRECISIONS["fp8_policy_scalify"]
+    runner = table3.build(precision, TINY, params, corpus.vocab_size)
+    lowered = runner.step.lower(*runner.state, x, y)
+    dots = dot_operand_types(lowered.as_text())
+    fp8 = [d for d in dots if all(t.endswith(FP8_TYPES) for t in d)]
+    forward = [d for d in fp8 if all(t.endswith("xf8E4M3FN>") for t in d)]
+    others = [d for d in dots if d not in fp8]
+    # per block: qkv, q.k, weights.v, attention projection, fc, MLP projection; each has a
+    # forward contraction and two gradient contractions (E5M2 cotangent, E4M3 operand)
+    assert (len(forward), len(fp8)) == (6 * TINY.layers, 18 * TINY.layers), dots
+    vocab = f"x{corpus.vocab_size}x"  # the head's [.., vocab] operand
+    assert len(others) == 3, others
+    assert all(t.endswith("xf16>") for d in others for t in d), others
+    assert all(any(vocab in t for t in d) for d in others), others
+    *_, loss, finite = lowered.compile()(*runner.state, x, y)
+    assert math.isfinite(table3.to_float(loss)) and bool(finite)
+    with pytest.raises(ValueError, match="cannot tell the head apart"):
+        table3.fp8_policy(lambda a: a, TINY.model_config(vocab_size=TINY.width))
 
 
 def test_state_bytes_and_goal_report(tiny):
@@ -215,3 +260,22 @@ def test_command_line_writes_the_report(tmp_path: pathlib.Path):
     markdown = (tmp_path / "out" / "table3.md").read_text()
     assert "python -m experiments.table3 --demo" in markdown and "`fp16_raw`" in markdown
     assert (tmp_path / "out" / "table3_loss.png").stat().st_size > 1000
+
+
+def test_plot_scales_writes_a_png_per_scalify_configuration(tmp_path, monkeypatch):
+    """``--plot-scales`` on the tiny model: a chart of one recorded step per scalify
+    configuration, none for a plain one (nothing scaled to record)."""
+    import matplotlib.image
+
+    monkeypatch.setitem(table3.SIZES, "demo", TINY)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 5)
+    out = tmp_path / "scales"
+    argv = ["--demo", "--configs", "fp32,fp16_scalify", "--text", str(text),
+            "--plot-scales", str(out)]  # fmt: skip
+    assert table3.main(argv) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["scales_fp16_scalify.png"]
+    path = out / "scales_fp16_scalify.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert width > 1000 and height > 300
