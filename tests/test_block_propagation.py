@@ -24,6 +24,8 @@ from jax_scaled.array import expand_scale
 from jax_scaled.blocks import BlockScaleFallbackWarning
 
 few = settings(max_examples=6, deadline=None)
+DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+DTYPE_IDS = ["float32", "float16", "bfloat16"]
 
 
 def blocked(seed: int, shape, blocks, dtype=jnp.float32, low=-20, high=20) -> js.ScaledArray:
@@ -93,7 +95,7 @@ POINTWISE = {
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("name", sorted(POINTWISE))
 @few
 @given(seed=st.integers(0, 2**31 - 1))
@@ -121,7 +123,7 @@ def test_mul_by_per_tensor_scale_is_exact():
 # --- reductions ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_sum_along_an_unblocked_axis_keeps_blocks(dtype):
     x = blocked(1, (8, 64), (8, 32), dtype)  # one scale per column block, rows unblocked
     out, expected = run(lambda x: jnp.sum(x, axis=0), x)
@@ -153,7 +155,7 @@ def assert_matmul_close(out, x, w, dtype, roundings: float = 4.0) -> None:
     assert np.all(np.abs(value64(out) - xv @ wv) <= tolerance * magnitude + step)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_matmul_consumes_contracting_blocks(dtype):
     """MX layout: blocks of 32 along the contracting axis of both operands."""
     x = blocked(3, (16, 128), (1, 32), dtype, low=-8, high=8)
