@@ -193,7 +193,7 @@ def _contract(a: Any, b: Any, contracting: tuple, dtype: DTypeLike) -> jax.Array
     if isinstance(a, ScaledArray):  # outside scalify: the exact values of the quantized data
         a, b = a.to_array(F32), b.to_array(F32)
     dims = (contracting, ((), ()))
-    return merge_blocks(lax.dot_general(a, b, dims, preferred_element_type=F32).astype(dtype))
+    return merge_blocks(lax.dot_general(a, b, dims, preferred_element_type=F32)).astype(dtype)
 
 
 __all__ = [
