@@ -10,7 +10,13 @@ data with a fixed seed. Variants, measured interleaved in one process:
 * ``scalified``: ``jax.jit(js.scalify(step))`` on ScaledArrays with data of that dtype;
 * ``unguarded`` (with ``--unguarded``): the same without the range guard
   (``ScalifyConfig(guard=False)``), to show what the guard costs. Not the default: without
-  the guard, float16 training can overflow (docs/index.md).
+  the guard, float16 training can overflow (docs/index.md);
+* ``mxfp8`` (with ``--block``): ``jax.jit(js.scalify(step))`` with the matmuls that blocks of
+  32 tile (the 512 x 512 one; 784 and 10 are not multiples of 32) as
+  ``js.nn.block_linear(x, w, js.nn.MXFP8)``: every matmul, forward and backward, on
+  block-quantized E4M3/E5M2 operands through scalify's block ``dot_general`` rule. It does
+  more work than the plain program (quantizing, per-block partial products), so its ratio
+  is a cost, not an overhead.
 
 Each repetition builds a fresh step function (so no jit cache is reused), times its first
 call (trace + lower + compile + one run, blocked), then times ``--steps`` chained steps one by
@@ -33,11 +39,13 @@ import numpy as np
 import optax
 
 import jax_scaled as js
+from jax_scaled.nn.block_linear import untiled_axes
 
 SIZES = (784, 512, 512, 10)
 BATCH = 128
 GOALS = {"step": 1.05, "first call": 1.5}
-CONFIGS = {"scalified": None, "unguarded": js.ScalifyConfig(guard=False)}
+CONFIGS = {"scalified": None, "unguarded": js.ScalifyConfig(guard=False), "mxfp8": None}
+BLOCK_RECIPES = {"mxfp8": js.nn.MXFP8}
 
 
 def init_params(key: jax.Array) -> list[dict[str, jax.Array]]:
@@ -51,14 +59,22 @@ def init_params(key: jax.Array) -> list[dict[str, jax.Array]]:
     ]
 
 
-def make_step() -> tuple[Callable, optax.GradientTransformation]:
-    """A fresh train step (a new function object: jax.jit reuses no cache) and its optimizer."""
+def make_step(
+    block: js.nn.BlockRecipe | None = None,
+) -> tuple[Callable, optax.GradientTransformation]:
+    """A fresh train step (a new function object: jax.jit reuses no cache) and its optimizer;
+    with ``block``, the hidden layers' matmuls are block-scaled by that recipe."""
     opt = optax.sgd(1e-2)
+
+    def matmul(x, w):
+        if block is None or untiled_axes(x.shape, w.shape, block):
+            return x @ w
+        return js.nn.block_linear(x, w, block)
 
     def loss_fn(params, batch):
         x = batch["x"]
         for layer in params[:-1]:
-            x = jax.nn.relu(x @ layer["w"] + layer["b"])
+            x = jax.nn.relu(matmul(x, layer["w"]) + layer["b"])
         logits = x @ params[-1]["w"] + params[-1]["b"]
         return -jnp.mean(jnp.sum(batch["y"] * jax.nn.log_softmax(logits), axis=-1))
 
@@ -89,7 +105,7 @@ def make_inputs(dtype, scaled: bool, seed: int = 0):
 def measure(variant: str, dtype, steps: int) -> tuple[float, list[float], bool]:
     """First-call seconds, per-step seconds and whether the final loss is finite."""
     scaled = variant != "plain"
-    step, _ = make_step()
+    step, _ = make_step(BLOCK_RECIPES.get(variant))
     fn = jax.jit(js.scalify(step, config=CONFIGS[variant])) if scaled else jax.jit(step)
     params, opt_state, batch = make_inputs(dtype, scaled)
     jax.block_until_ready((params, opt_state, batch))
@@ -167,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--unguarded", action="store_true", help="also time scalify without the range guard"
     )
+    parser.add_argument(
+        "--block", action="store_true", help="also time a block-scaled (MXFP8) scalified step"
+    )
     args = parser.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     device = jax.devices()[0]
@@ -175,12 +194,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"steps; jax {jax.__version__}, {device.platform} ({device.device_kind}), "
         f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
     )
-    variants = ("plain", "scalified", "unguarded") if args.unguarded else ("plain", "scalified")
+    variants = ("plain", "scalified") + ("unguarded",) * args.unguarded + ("mxfp8",) * args.block
     results = run(dtypes, args.reps, args.steps, variants)
     print(format_table(results, dtypes))
     if args.unguarded:
         print("\nwithout the range guard (ScalifyConfig(guard=False), not the default):")
         print(format_table(results, dtypes, "unguarded"))
+    if args.block:
+        print("\nblock-scaled MXFP8 hidden matmuls (js.nn.block_linear) under scalify:")
+        print(format_table(results, dtypes, "mxfp8"))
     print(
         f"goals: step ratio <= {GOALS['step']}x, first call ratio <= {GOALS['first call']}x "
         "(medians; ratio = scalified / plain)"
