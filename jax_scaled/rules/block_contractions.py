@@ -1,19 +1,21 @@
 """Block rule for ``dot_general``: free and batch blocks factor out, contracting blocks are
 consumed.
 
-``sum_k x[i, k] y[k, j]`` with block scales: blocks along the batch and free axes factor out
-of the sum exactly (the output scale has the grid of those axes: per row of ``x``, per column
-of ``y``, ...). Blocks along a contracting axis cannot: the rule forms the partial product of
+``sum_k x[i, k] y[k, j]`` with block scales: blocks along the batch and free axes factor out of
+the sum exactly (the output scale has the grid of those axes: per row of ``x``, per column of
+``y``, ...). Blocks along a contracting axis cannot: the rule forms the partial product of
 every contracting block in float32 (a ``dot_general`` with the block index as a batch axis),
 weighs each by its blocks' scales relative to the output scale (exact powers of two) and sums
-them in float32. The output scale of an output block is the largest product of contracting
-block scales times ``sqrt(K)`` (the unit-scaling estimate), and the range guard applies as in
-the per-tensor rule. The output keeps the free-axis blocks of an operand with one block along
-its contracting axes (per-row activations, per-column weights: the output scale is their
-outer product); an operand with several (MX) gets one scale across its free axes, since every
-output element sums over all its blocks (and a scale per output element would cost as much
-memory as the output): MX times MX is per tensor. An output with a single block gets a 0-d
-scale: the per-tensor path.
+them in float32. The output scale of an output block is the product of each operand's largest
+block scale along the contracting axes (per row of ``x``, per column of ``y``) times
+``sqrt(K)`` (the unit-scaling estimate; an upper bound of the largest product of paired block
+scales, so the weights are computed per operand and no grid of products is formed), and the
+range guard applies as in the per-tensor rule. The output keeps the free-axis blocks of an
+operand with one block along its contracting axes (per-row activations, per-column weights: the
+output scale is their outer product); an operand with several (MX) gets one scale across its
+free axes, since every output element sums over all its blocks (and a scale per output element
+would cost as much memory as the output): MX times MX is per tensor. An output with a single
+block gets a 0-d scale: the per-tensor path.
 
 Example:
     >>> rows = ScaledArray(jnp.ones((2, 64)), jnp.array([[1.0], [4.0]], jnp.float32))
