@@ -36,7 +36,7 @@ from jax_scaled.facts import Slot
 from jax_scaled.registry import PrimitiveRecord, Property
 from jax_scaled.scales import blocks as geometry
 from jax_scaled.scales.blocks import is_blocked
-from jax_scaled.scales.values import make_scale, rescale, scale_f32
+from jax_scaled.scales.values import make_scale, per_tensor_scale, rescale, scale_f32
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -146,7 +146,7 @@ def per_tensor(x: Value) -> Value:
     if not is_blocked(x):
         return x
     merged = coarsened(x, tuple(range(x.ndim)))
-    return ScaledArray(merged.data, lax.reshape(merged.scale, ()))
+    return ScaledArray(merged.data, per_tensor_scale(lax.reshape(merged.scale, ())))
 
 
 def coarsened(x: ScaledArray, axes: Sequence[int]) -> ScaledArray:

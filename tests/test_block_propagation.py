@@ -59,6 +59,14 @@ LAYOUT = {
     "dynamic_slice_rows": (
         lambda x: lax.dynamic_slice_in_dim(x, jnp.int32(3), 2, axis=0), (8, 64), (1, 32), (1, 32)
     ),
+    "gather_rows": (lambda x: x[jnp.array([[1, 7], [3, 3]])], (8, 64), (1, 32), (1, 1, 32)),
+    "gather_rows_out_of_bounds_fill": (
+        lambda x: jnp.take(x, jnp.array([2, 11, -1]), axis=0, mode="fill"), (8, 64), (1, 32),
+        (1, 32),
+    ),
+    "gather_within_one_block": (
+        lambda x: jnp.take(x, jnp.array([5, 0, 63]), axis=1), (8, 64), (4, 64), (4, 1)
+    ),
 }
 
 
@@ -192,6 +200,32 @@ def test_matmul_against_lax_scaled_dot():
     ours_on_fp8 = value64(jax.jit(js.scalify(lambda x, w: x @ w))(rounded, rounded_w))
     np.testing.assert_allclose(ours_on_fp8, np.asarray(reference, np.float64), rtol=1e-5, atol=0)
     assert np.all(np.isfinite(ours))
+
+
+def e8m0(x: js.ScaledArray) -> js.ScaledArray:
+    return js.ScaledArray(x.data, x.scale.astype(jnp.float8_e8m0fnu))
+
+
+LEAVING_BLOCKS = {  # each leaves its E8M0 blocks for one scale per tensor
+    "mx_matmul": lambda x, w: x @ w,
+    "merge_blocks": lambda x, w: js.ops.merge_blocks(x) + 1.0,
+    "fallback": lambda x, w: jnp.cumsum(x, axis=1),
+}
+
+
+@pytest.mark.filterwarnings("ignore::jax_scaled.blocks.BlockScaleFallbackWarning")
+@pytest.mark.parametrize("name", sorted(LEAVING_BLOCKS))
+def test_per_tensor_results_of_e8m0_blocks_have_float32_scales(name):
+    """E8M0 stores block scales; a value that leaves its blocks gets the per-tensor default
+    (float32), or the configured scale dtype."""
+    x = e8m0(blocked(11, (16, 64), (1, 32), low=-6, high=6))
+    w = e8m0(blocked(12, (64, 8), (32, 1), low=-6, high=6))
+    fn = LEAVING_BLOCKS[name]
+    out = jax.jit(js.scalify(fn))(x, w)
+    assert np.ndim(out.scale) == 0 and out.scale.dtype == jnp.float32
+    forced = js.scalify(fn, config=js.ScalifyConfig(scale_dtype=jnp.float8_e8m0fnu))(x, w)
+    assert forced.scale.dtype == jnp.float8_e8m0fnu
+    np.testing.assert_array_equal(value64(forced), value64(out))
 
 
 # --- fallback: never a wrong number, never silent -------------------------------------------------

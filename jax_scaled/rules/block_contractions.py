@@ -42,7 +42,13 @@ from jax_scaled.registry import register_block_rule
 from jax_scaled.rules.linalg import bind_contraction
 from jax_scaled.scales import blocks as geometry
 from jax_scaled.scales.guard import guard_factors
-from jax_scaled.scales.values import as_scaled, make_scale, scale_f32, sqrt_pow2
+from jax_scaled.scales.values import (
+    as_scaled,
+    make_scale,
+    per_tensor_scale,
+    scale_f32,
+    sqrt_pow2,
+)
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -183,6 +189,7 @@ def _output(
     if factors is not None:
         down, up = factors
         value, scale = lax.mul(value, down), lax.mul(scale, up)
-    if all(n == 1 for n in scale.shape):
-        scale = lax.reshape(scale, ())
-    return ScaledArray(lax.convert_element_type(value, dtype), make_scale(scale, x, y))
+    data = lax.convert_element_type(value, dtype)
+    if all(n == 1 for n in scale.shape):  # one block: the per-tensor path from here on
+        return ScaledArray(data, per_tensor_scale(lax.reshape(scale, ())))
+    return ScaledArray(data, make_scale(scale, x, y))

@@ -2,8 +2,8 @@
 
 Layout ops keep the blocks exactly: the scale array is permuted, sliced, repeated or
 reshaped alongside the data (transpose, broadcast_in_dim, reshape that keeps blocks whole,
-squeeze, slice and pad at block boundaries, concatenate, rev, dynamic_slice along unblocked
-axes). Reductions keep the blocks along the axes they do not reduce: the reduced axes are
+squeeze, slice and pad at block boundaries, concatenate, rev, dynamic_slice and gather along
+unblocked axes). Reductions keep the blocks along the axes they do not reduce: the reduced axes are
 first widened to one block (the largest block scale, the data shifted to it), then the
 per-tensor rule runs on every remaining block. An operand these rules cannot keep in blocks
 (:class:`~jax_scaled.blocks.Unsupported`) falls back to one scale per tensor.
@@ -108,6 +108,40 @@ def dynamic_slice_block_rule(x: ScaledArray, *indices: Any, slice_sizes) -> Scal
             raise Unsupported  # a traced start cannot be checked against block boundaries
     data = lax.dynamic_slice(x.data, indices, slice_sizes)
     return ScaledArray(data, lax.dynamic_slice(x.scale, scale_starts, scale_sizes))
+
+
+@register_block_rule(lax.gather_p)
+def gather_block_rule(
+    x: ScaledArray, indices: Any, *, dimension_numbers, slice_sizes, fill_value=None, **params
+) -> ScaledArray:
+    """A gather along axes of blocks of one element (embedding rows, batched lookups) or
+    axes that are one block: the scales gathered with the same indices (a one-block axis at
+    index 0). Slices along the other axes must start at 0 and end at a block boundary. A
+    finite non-zero fill value (out-of-bounds slices) is not a block value: falls back."""
+    if fill_value is not None and fill_value != 0 and math.isfinite(fill_value):
+        raise Unsupported
+    index_map = dimension_numbers.start_index_map
+    keep_index, scale_sizes = [], []
+    for axis, (size, n, b) in enumerate(zip(slice_sizes, x.shape, x.block_shape, strict=True)):
+        indexed = axis in index_map or axis in dimension_numbers.operand_batching_dims
+        if b == 1 or (b == n and axis not in dimension_numbers.operand_batching_dims):
+            scale_sizes.append(size if b == 1 else 1)
+        elif not indexed and size % b == 0:  # starts at 0: whole blocks
+            scale_sizes.append(size // b)
+        else:
+            raise Unsupported  # a traced start cannot be checked against block boundaries
+        if axis in index_map:
+            keep_index.append(b == 1)
+    data = lax.gather_p.bind(
+        x.data, indices, dimension_numbers=dimension_numbers, slice_sizes=slice_sizes,
+        fill_value=fill_value, **params,
+    )  # fmt: skip
+    scale_indices = indices if all(keep_index) else indices * np.asarray(keep_index, indices.dtype)
+    scale = lax.gather_p.bind(
+        x.scale, scale_indices, dimension_numbers=dimension_numbers,
+        slice_sizes=tuple(scale_sizes), fill_value=1, **params,
+    )  # fmt: skip
+    return ScaledArray(data, scale)
 
 
 @register_block_rule(lax.pad_p)

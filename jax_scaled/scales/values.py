@@ -68,6 +68,19 @@ def out_scale_dtype(*xs: Value) -> jnp.dtype:
     return e8m0 if e8m0 in dtypes else jnp.dtype(jnp.float32)
 
 
+def per_tensor_scale(scale: jax.Array) -> jax.Array:
+    """A float32 power-of-two ``scale`` as the scale of a value that leaves its blocks (a
+    block rule's per-tensor output, a fallback, ``merge_blocks``): the configured scale dtype,
+    else float32, the per-tensor default. E8M0 is a storage format for block scales; a
+    per-tensor E8M0 scale would make every following rule convert it (costly XLA:CPU code).
+
+    Example:
+        >>> per_tensor_scale(jnp.asarray(4.0, jnp.float8_e8m0fnu)).dtype
+        dtype('float32')
+    """
+    return make_scale(as_float32(scale))
+
+
 def round_scale(scale: jax.Array) -> jax.Array:
     """Round a positive float32 scale estimate to a power of two (configured rounding); a
     static estimate is rounded at trace time, to a numpy float32."""
