@@ -202,6 +202,37 @@ def test_matmul_against_lax_scaled_dot():
     assert np.all(np.isfinite(ours))
 
 
+def conv_nhwc(x, w):
+    dims = ("NHWC", "HWIO", "NHWC")
+    return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dims)
+
+
+CONV_BLOCKS = {  # (input blocks, kernel blocks, output blocks)
+    "per_channel_kernel": ((4, 8, 8, 64), (3, 3, 64, 1), (4, 8, 8, 1)),
+    "per_example_and_channel_tiles": ((1, 8, 8, 64), (3, 3, 64, 8), (1, 8, 8, 8)),
+    "mx_input_features": ((1, 1, 1, 32), (3, 3, 32, 16), (1, 8, 8, 16)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", sorted(CONV_BLOCKS))
+def test_conv_keeps_batch_and_output_channel_blocks(name, dtype):
+    """Per-example and per-output-channel blocks factor out of a convolution; blocks along
+    its input features (MX) are consumed: each output within float32 accumulation plus one
+    rounding of ``dtype`` of the float64 convolution, relative to ``conv(|x|, |w|)``."""
+    x_blocks, w_blocks, out_blocks = CONV_BLOCKS[name]
+    x = blocked(13, (4, 8, 8, 64), x_blocks, dtype, low=-8, high=8)
+    w = blocked(14, (3, 3, 64, 16), w_blocks, dtype, low=-8, high=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BlockScaleFallbackWarning)
+        out = jax.jit(js.scalify(conv_nhwc))(x, w)
+    assert out.block_shape == out_blocks and out.dtype == dtype
+    expected = reference64(conv_nhwc, x, w)
+    magnitude = reference64(lambda x, w: conv_nhwc(jnp.abs(x), jnp.abs(w)), x, w)
+    tolerance = 2 * float(jnp.finfo(dtype).eps) + 9 * 64 * 2.0**-24
+    assert np.all(np.abs(value64(out) - expected) <= tolerance * magnitude)
+
+
 def e8m0(x: js.ScaledArray) -> js.ScaledArray:
     return js.ScaledArray(x.data, x.scale.astype(jnp.float8_e8m0fnu))
 
@@ -301,3 +332,34 @@ def test_loops_and_cond_take_blocks_at_one_scale_warned_and_recorded(name):
     assert np.ndim(out.scale) == 0
     np.testing.assert_array_equal(value64(out), reference64(fn, x))
     assert any(r.block_fallback for r in records)
+
+
+def test_flax_embed_and_conv_keep_blocks():
+    """flax.linen as published: an embedding table with a scale per row (a gather) feeding a
+    convolution whose kernel has a scale per output channel; no fallback, the output has one
+    scale per example (the largest of its rows') and output channel, values as in float64."""
+    import flax.linen as nn
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(32, 64)(ids)  # (batch, length, 64)
+            return nn.Conv(16, (3,), padding="SAME", use_bias=False)(x)
+
+    ids = jnp.arange(24).reshape(3, 8) % 32
+    params = Model().init(jax.random.key(0), ids)["params"]
+    table = params["Embed_0"]["embedding"]
+    kernel = params["Conv_0"]["kernel"]  # (3, 64, 16)
+    scaled = {
+        "Embed_0": {"embedding": js.quantize(table, jnp.float16, block_shape=(1, 64))},
+        "Conv_0": {"kernel": js.quantize(kernel, jnp.float16, block_shape=(3, 64, 1))},
+    }
+
+    def apply(p, ids):
+        return Model().apply({"params": p}, ids)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BlockScaleFallbackWarning)
+        out = jax.jit(js.scalify(apply))(scaled, ids)
+    assert out.block_shape == (1, 8, 1)
+    assert_close(out, reference64(apply, scaled, ids), jnp.float16, ulps=64, normwise=True)

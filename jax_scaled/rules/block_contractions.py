@@ -1,5 +1,5 @@
-"""Block rule for ``dot_general``: free and batch blocks factor out, contracting blocks are
-consumed.
+"""Block rules for ``dot_general`` and ``conv_general_dilated``: free and batch blocks factor
+out, contracting blocks are consumed.
 
 ``sum_k x[i, k] y[k, j]`` with block scales: blocks along the batch and free axes factor out of
 the sum exactly (the output scale has the grid of those axes: per row of ``x``, per column of
@@ -16,6 +16,12 @@ output scale is their outer product); an operand with several (MX) gets one scal
 free axes, since every output element sums over all its blocks (and a scale per output element
 would cost as much memory as the output): MX times MX is per tensor. An output with a single
 block gets a 0-d scale: the per-tensor path.
+
+A convolution keeps the blocks of the input's batch axis and of the kernel's output-feature
+axis (per example x per output channel); its contracted axes (input features and the window,
+which slides across blocks) are consumed by widening each operand to float32 at its largest
+block scale along them: exact (power-of-two ratios), at the cost of a float32 convolution
+(XLA's convolutions do not expose per-block partial sums).
 
 Example:
     >>> rows = ScaledArray(jnp.ones((2, 64)), jnp.array([[1.0], [4.0]], jnp.float32))
@@ -193,3 +199,41 @@ def _output(
     if all(n == 1 for n in scale.shape):  # one block: the per-tensor path from here on
         return ScaledArray(data, per_tensor_scale(lax.reshape(scale, ())))
     return ScaledArray(data, make_scale(scale, x, y))
+
+
+@register_block_rule(lax.conv_general_dilated_p, behaviour="consumes")
+def conv_general_dilated_block_rule(
+    lhs: Value, rhs: Value, *, dimension_numbers, preferred_element_type=None, **params
+) -> ScaledArray:
+    """Input-batch and output-feature blocks kept, contracted blocks consumed in float32
+    (see the module docstring)."""
+    lhs, rhs = as_scaled(lhs), as_scaled(rhs)
+    lhs_spec, rhs_spec, out_spec = dimension_numbers
+    kept_batch = lhs_spec[0] if params["batch_group_count"] == 1 else None  # groups mix it
+    lhs_data, rows = _widened_along(lhs, kept_batch)
+    rhs_data, cols = _widened_along(rhs, rhs_spec[0])
+    k = math.prod(rhs.shape[d] for d in rhs_spec[1:])
+    out = bind_contraction(
+        lax.conv_general_dilated_p, lhs_data, rhs_data, dimension_numbers=dimension_numbers,
+        preferred_element_type=jnp.float32, **params,
+    )  # fmt: skip
+    grid = [1] * out.ndim
+    grid[out_spec[0]], grid[out_spec[1]] = rows.size, cols.size
+    rows = lax.broadcast_in_dim(rows, grid, (out_spec[0],))
+    scale = lax.mul(lax.mul(rows, lax.broadcast_in_dim(cols, grid, (out_spec[1],))),
+                    np.float32(sqrt_pow2(k)))  # fmt: skip
+    value = lax.mul(out, np.float32(1.0 / sqrt_pow2(k)))  # a power of two: exact
+    out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+    return _output(value, scale, out_dtype, lhs, rhs)
+
+
+def _widened_along(x: ScaledArray, kept: int | None) -> tuple[jax.Array, jax.Array]:
+    """``x``'s data in float32 at the largest block scale of each block along axis ``kept``
+    (every axis widened if None), exact (power-of-two ratios), and those scales (1-d)."""
+    scale = _full_rank_scale(x, x.block_shape)
+    kept_axes = () if kept is None else (kept,)
+    others = tuple(a for a in range(x.ndim) if a not in kept_axes)
+    largest = lax.reduce_max(scale, others)
+    ratios = lax.div(scale, lax.broadcast_in_dim(largest, scale.shape, kept_axes))
+    data = lax.mul(lax.convert_element_type(x.data, jnp.float32), expand_scale(ratios, x.shape))
+    return data, lax.reshape(largest, (largest.size,))
