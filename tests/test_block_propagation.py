@@ -64,6 +64,13 @@ LAYOUT = {
         lambda x: jnp.take(x, jnp.array([2, 11, -1]), axis=0, mode="fill"), (8, 64), (1, 32),
         (1, 32),
     ),
+    "gather_index_vector_in_axis_order_1_0": (
+        lambda x: lax.gather(
+            x, jnp.array([[40, 1], [5, 7], [63, 0]]), lax.GatherDimensionNumbers(
+                offset_dims=(), collapsed_slice_dims=(0, 1), start_index_map=(1, 0)),
+            slice_sizes=(1, 1), mode="promise_in_bounds",
+        ), (8, 64), (1, 64), (1,),
+    ),  # fmt: skip
     "gather_within_one_block": (
         lambda x: jnp.take(x, jnp.array([5, 0, 63]), axis=1), (8, 64), (4, 64), (4, 1)
     ),

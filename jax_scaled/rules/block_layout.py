@@ -121,7 +121,7 @@ def gather_block_rule(
     if fill_value is not None and fill_value != 0 and math.isfinite(fill_value):
         raise Unsupported
     index_map = dimension_numbers.start_index_map
-    keep_index, scale_sizes = [], []
+    scale_sizes = []
     for axis, (size, n, b) in enumerate(zip(slice_sizes, x.shape, x.block_shape, strict=True)):
         indexed = axis in index_map or axis in dimension_numbers.operand_batching_dims
         if b == 1 or (b == n and axis not in dimension_numbers.operand_batching_dims):
@@ -130,12 +130,11 @@ def gather_block_rule(
             scale_sizes.append(size // b)
         else:
             raise Unsupported  # a traced start cannot be checked against block boundaries
-        if axis in index_map:
-            keep_index.append(b == 1)
     data = lax.gather_p.bind(
         x.data, indices, dimension_numbers=dimension_numbers, slice_sizes=slice_sizes,
         fill_value=fill_value, **params,
     )  # fmt: skip
+    keep_index = [x.block_shape[axis] == 1 for axis in index_map]  # index vector order
     scale_indices = indices if all(keep_index) else indices * np.asarray(keep_index, indices.dtype)
     scale = lax.gather_p.bind(
         x.scale, scale_indices, dimension_numbers=dimension_numbers,
