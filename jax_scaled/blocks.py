@@ -145,8 +145,8 @@ def per_tensor(x: Value) -> Value:
     """
     if not is_blocked(x):
         return x
-    merged = coarsened(x, tuple(range(x.ndim)))
-    return ScaledArray(merged.data, per_tensor_scale(lax.reshape(merged.scale, ())))
+    data, largest = _coarsened_f32(x, tuple(range(x.ndim)))
+    return ScaledArray(data, per_tensor_scale(lax.reshape(largest, ())))
 
 
 def coarsened(x: ScaledArray, axes: Sequence[int]) -> ScaledArray:
@@ -159,19 +159,25 @@ def coarsened(x: ScaledArray, axes: Sequence[int]) -> ScaledArray:
         >>> y.scale.tolist(), y.data.tolist()[0]
         ([[2.0], [8.0]], [0.5, 0.5, 1.0, 1.0])
     """
-    axes = tuple(a for a in axes if np.shape(x.scale)[a] > 1)
-    if not axes:
+    if not any(np.shape(x.scale)[a] > 1 for a in axes):
         return x
+    data, largest = _coarsened_f32(x, axes)
+    return ScaledArray(data, make_scale(largest, x))
+
+
+def _coarsened_f32(x: ScaledArray, axes: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """The data of :func:`coarsened` and its float32 scale (size 1 along ``axes``)."""
     scale = scale_f32(x)
-    largest = lax.reduce_max(scale, axes)
-    kept = [d for d in range(x.ndim) if d not in axes]
-    wide = lax.broadcast_in_dim(largest, scale.shape, kept)
+    axes = tuple(a for a in axes if scale.shape[a] > 1)
+    if not axes:
+        return x.data, scale
+    largest, ratio = geometry.split_at_largest(scale, axes)
+    ratio = ratio.reshape(-1, *[1] * x.ndim)  # powers of two: exact
     blocks = x.block_shape
-    ratio = lax.div(scale, wide).reshape(-1, *[1] * x.ndim)  # powers of two: exact
     shifted = rescale(geometry.to_block_major(x.data, blocks), ratio)
     data = geometry.from_block_major(shifted, x.shape, blocks)
     coarse = [1 if d in axes else n for d, n in enumerate(scale.shape)]
-    return ScaledArray(data, make_scale(lax.reshape(largest, coarse), x))
+    return data, lax.reshape(largest, coarse)
 
 
 def per_tensor_slots(eqn: jxi.JaxprEqn, in_slots: list[Slot], where: str) -> list[Slot]:

@@ -126,8 +126,8 @@ def block_behaviour(primitive: jxi.Primitive) -> str:
         return found.block_behaviour
     if found.has(Property.POINTWISE):
         return "keeps (per block)"
-    if found.higher_order is not None:
-        return "passed to the body" if found.has(Property.BLOCKS_INSIDE) else "falls back"
+    if found.higher_order is not None and found.has(Property.BLOCKS_INSIDE):
+        return "passed to the body"
     return "falls back"
 
 

@@ -104,9 +104,7 @@ def _split_scale(scale: jax.Array, nb: int, nc: int, coarsen: bool) -> tuple[jax
     every block to it are exact powers of two."""
     free = tuple(range(nb + nc, scale.ndim))
     axes = tuple(range(nb, nb + nc)) + (free if coarsen else ())
-    kept = [d for d in range(scale.ndim) if d not in axes]
-    largest = lax.reduce_max(scale, axes)
-    ratios = lax.div(scale, lax.broadcast_in_dim(largest, scale.shape, kept))
+    largest, ratios = geometry.split_at_largest(scale, axes)
     row_dims = [*range(nb), *free]
     row_shape = [1 if d in axes else scale.shape[d] for d in row_dims]
     row_kept = [i for i, d in enumerate(row_dims) if d not in axes]
@@ -233,7 +231,6 @@ def _widened_along(x: ScaledArray, kept: int | None) -> tuple[jax.Array, jax.Arr
     scale = _full_rank_scale(x, x.block_shape)
     kept_axes = () if kept is None else (kept,)
     others = tuple(a for a in range(x.ndim) if a not in kept_axes)
-    largest = lax.reduce_max(scale, others)
-    ratios = lax.div(scale, lax.broadcast_in_dim(largest, scale.shape, kept_axes))
+    largest, ratios = geometry.split_at_largest(scale, others)
     data = lax.mul(lax.convert_element_type(x.data, jnp.float32), expand_scale(ratios, x.shape))
     return data, lax.reshape(largest, (largest.size,))

@@ -78,6 +78,21 @@ def scale_on_grid(x: ScaledArray, blocks: Blocks) -> jax.Array:
     return scale
 
 
+def split_at_largest(scale: jax.Array, axes: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """``(largest, ratios)`` of a float32 grid of power-of-two block scales: the largest
+    along ``axes`` (those axes reduced) and every scale divided by its largest (exact powers
+    of two, at most 1).
+
+    Example:
+        >>> largest, ratios = split_at_largest(jnp.array([[1.0, 4.0], [2.0, 2.0]]), (1,))
+        >>> largest.tolist(), ratios.tolist()
+        ([4.0, 2.0], [[0.25, 1.0], [1.0, 1.0]])
+    """
+    largest = lax.reduce_max(scale, tuple(axes))
+    kept = tuple(d for d in range(scale.ndim) if d not in axes)
+    return largest, lax.div(scale, lax.broadcast_in_dim(largest, scale.shape, kept))
+
+
 def to_block_major(data: jax.Array, blocks: Blocks) -> jax.Array:
     """``data`` as ``(number of blocks, *blocks)``, blocks in row-major grid order.
 
