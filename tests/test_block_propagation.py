@@ -226,10 +226,12 @@ CONV_BLOCKS = {  # (input blocks, kernel blocks, output blocks)
 def test_conv_keeps_batch_and_output_channel_blocks(name, dtype):
     """Per-example and per-output-channel blocks factor out of a convolution; blocks along
     its input features (MX) are consumed: each output within float32 accumulation plus one
-    rounding of ``dtype`` of the float64 convolution, relative to ``conv(|x|, |w|)``."""
+    rounding of ``dtype`` of the float64 convolution, relative to ``conv(|x|, |w|)``, plus
+    half a subnormal step of ``dtype`` at the output's scale (block scales from 2^-20 to
+    2^20: an output far below its block's scale is a subnormal there)."""
     x_blocks, w_blocks, out_blocks = CONV_BLOCKS[name]
-    x = blocked(13, (4, 8, 8, 64), x_blocks, dtype, low=-8, high=8)
-    w = blocked(14, (3, 3, 64, 16), w_blocks, dtype, low=-8, high=8)
+    x = blocked(13, (4, 8, 8, 64), x_blocks, dtype, low=-20, high=20)
+    w = blocked(14, (3, 3, 64, 16), w_blocks, dtype, low=-20, high=20)
     with warnings.catch_warnings():
         warnings.simplefilter("error", BlockScaleFallbackWarning)
         out = jax.jit(js.scalify(conv_nhwc))(x, w)
@@ -237,7 +239,9 @@ def test_conv_keeps_batch_and_output_channel_blocks(name, dtype):
     expected = reference64(conv_nhwc, x, w)
     magnitude = reference64(lambda x, w: conv_nhwc(jnp.abs(x), jnp.abs(w)), x, w)
     tolerance = 2 * float(jnp.finfo(dtype).eps) + 9 * 64 * 2.0**-24
-    assert np.all(np.abs(value64(out) - expected) <= tolerance * magnitude)
+    step = np.asarray(expand_scale(out.scale.astype(jnp.float32), out.shape), np.float64)
+    step *= float(jnp.finfo(dtype).smallest_subnormal) / 2
+    assert np.all(np.abs(value64(out) - expected) <= tolerance * magnitude + step)
 
 
 def e8m0(x: js.ScaledArray) -> js.ScaledArray:
@@ -341,10 +345,12 @@ def test_loops_and_cond_take_blocks_at_one_scale_warned_and_recorded(name):
     assert any(r.block_fallback for r in records)
 
 
-def test_flax_embed_and_conv_keep_blocks():
+@pytest.mark.parametrize("table_scale", [2.0**-20, 1.0, 2.0**20], ids=["2^-20", "1", "2^+20"])
+def test_flax_embed_and_conv_keep_blocks(table_scale):
     """flax.linen as published: an embedding table with a scale per row (a gather) feeding a
-    convolution whose kernel has a scale per output channel; no fallback, the output has one
-    scale per example (the largest of its rows') and output channel, values as in float64."""
+    convolution whose kernel has a scale per output channel, the table at 2^-20, 1 and 2^20;
+    no fallback, the output has one scale per example (the largest of its rows') and output
+    channel, values as in float64."""
     import flax.linen as nn
 
     class Model(nn.Module):
@@ -358,7 +364,9 @@ def test_flax_embed_and_conv_keep_blocks():
     table = params["Embed_0"]["embedding"]
     kernel = params["Conv_0"]["kernel"]  # (3, 64, 16)
     scaled = {
-        "Embed_0": {"embedding": js.quantize(table, jnp.float16, block_shape=(1, 64))},
+        "Embed_0": {
+            "embedding": js.quantize(table * table_scale, jnp.float16, block_shape=(1, 64))
+        },
         "Conv_0": {"kernel": js.quantize(kernel, jnp.float16, block_shape=(3, 64, 1))},
     }
 
