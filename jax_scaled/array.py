@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
+from jax_scaled._threadlocal import ThreadStack
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.scales.static import MIN_SCALE_EXPONENT
 from jax_scaled.scales.traced import pow2_round, pow2_split
@@ -53,8 +55,16 @@ class ScaledArray:
     (:func:`~jax_scaled.quantize.quantize`). Block scales are float32 or E8M0.
 
     Construction is validated: ``data`` must be a floating array, ``scale`` a floating array
-    of one of these two shapes, holding powers of two (or 0). (Pytree unflattening skips
-    validation, so JAX transformations can carry placeholders and batched scales through it.)
+    of one of these two shapes. A concrete scale must hold powers of two (or 0): any other
+    value raises. A scale computed inside ``jax.jit`` (a tracer, such as delayed scaling's
+    ``amax / 448``) cannot be checked, so it is **normalised exactly**: its power of two stays
+    the scale and its mantissa (in ``[0.5, 1)``, so the data never grows) is multiplied into
+    the data, one rounding in the data's format; a power-of-two scale leaves the data
+    bit-identical. All-zero data with a 0-d scale gets the smallest scale (``2^-126``), as
+    :func:`as_scaled_array` gives a zero: a nominal scale on a zero (a zero-initialised bias
+    put at a model's scale) would dominate every sum it joins. (Pytree unflattening and
+    scalify's own rules skip this, so JAX transformations can carry placeholders and batched
+    scales through it.)
 
     Under ``jax.vmap`` the pytree's two leaves, data and scale, are mapped like any leaves.
     A block scale has the data's rank, so mapping both along the same axis (the default
@@ -86,7 +96,15 @@ class ScaledArray:
     def __post_init__(self):
         _check_data(self.data)
         _check_scale(self.scale, self.data)
-        _check_pow2_scale(self.scale)
+        if _engine_builds.items:  # a rule's output: its scale is a power of two by construction
+            return
+        if isinstance(self.scale, jxi.Tracer) or isinstance(self.data, jxi.Tracer):
+            data, scale = _normalised_traced(self.data, self.scale)
+        else:
+            _check_pow2_scale(self.scale)
+            data, scale = self.data, _zero_aware_scale(self.data, self.scale)
+        object.__setattr__(self, "data", data)
+        object.__setattr__(self, "scale", scale)
 
     # pytree protocol
     def tree_flatten(self):
@@ -153,7 +171,9 @@ class ScaledArray:
         return value.astype(dtype)
 
     def astype(self, dtype: DTypeLike) -> ScaledArray:
-        """The same scaled value with data cast to ``dtype``; the scale is kept."""
+        """The same scaled value with data cast to ``dtype``; the scale is kept (data beyond
+        ``dtype``'s range overflows: :func:`cast_fitting`, which ``js.tree.astype`` uses,
+        re-centres it first)."""
         if not _is_float_dtype(dtype):
             raise TypeError(f"ScaledArray data must have a floating dtype, got {dtype}.")
         return ScaledArray._trusted(self.data.astype(dtype), self.scale)
@@ -272,14 +292,59 @@ def check_block_sharding(x: ScaledArray, sharding: Any) -> None:
         )
 
 
-def _check_pow2_scale(scale: Any) -> None:
-    """Concrete scales must be powers of two (or 0): rules rely on it for exact re-scaling.
+_engine_builds = ThreadStack()
 
-    Traced scales (inside jit or scalify) are not checked: they come from jax_scaled's own
-    constructors and rules, which only produce powers of two.
+
+@contextlib.contextmanager
+def engine_builds() -> Iterator[None]:
+    """Within this context, ScaledArrays are built by scalify's rules, whose scales are powers
+    of two by construction: the constructor skips the normalisation of user-built values.
+
+    Example:
+        >>> with engine_builds():
+        ...     x = ScaledArray(jnp.zeros(2), jnp.float32(4.0))
+        >>> float(x.scale)  # a rule's zero keeps the scale the rule gave it
+        4.0
     """
-    if isinstance(scale, jxi.Tracer):
-        return
+    _engine_builds.items.append(True)
+    try:
+        yield
+    finally:
+        _engine_builds.items.pop()
+
+
+def _zero_scale(scale_dtype) -> np.ndarray:
+    """The scale of an all-zero value: the smallest, so that it never dominates an estimate."""
+    return np.asarray(2.0**MIN_SCALE_EXPONENT, np.float32).astype(scale_dtype)
+
+
+def _zero_aware_scale(data: Any, scale: Any) -> Any:
+    """``scale``, or the smallest scale where concrete ``data`` is all zero (0-d scales)."""
+    if np.ndim(scale) or np.size(data) == 0 or np.any(np.asarray(data) != 0):
+        return scale
+    return jnp.asarray(_zero_scale(scale.dtype))
+
+
+def _normalised_traced(data: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(data, scale)`` of a traced scale made an exact power of two: a non-power-of-two
+    scale's mantissa (in ``[0.5, 1)``) moves into the data; a power of two leaves the data
+    bit-identical (factor 1). A 0-d scale of all-zero data becomes the smallest scale."""
+    data, scale = jnp.asarray(data), jnp.asarray(scale)
+    if scale.dtype != jnp.float8_e8m0fnu:  # E8M0 holds powers of two only
+        mantissa, exponent = jnp.frexp(scale.astype(jnp.float32))
+        is_pow2 = mantissa == 0.5
+        factor = jnp.where(is_pow2, np.float32(1), mantissa)
+        pow2 = jnp.ldexp(np.float32(1), jnp.where(is_pow2, exponent - 1, exponent))
+        compute = jnp.promote_types(compute_dtype(data.dtype), jnp.float32)
+        data = (data.astype(compute) * expand_scale(factor, data.shape)).astype(data.dtype)
+        scale = pow2.astype(scale.dtype)
+    if scale.ndim == 0 and data.size:
+        scale = jnp.where(jnp.any(data != 0), scale, _zero_scale(scale.dtype))
+    return data, scale
+
+
+def _check_pow2_scale(scale: Any) -> None:
+    """Concrete scales must be powers of two (or 0): rules rely on it for exact re-scaling."""
     values = np.asarray(scale).astype(np.float64)
     mantissa, _ = np.frexp(values)
     if not np.all((values == 0) | ((values > 0) & (mantissa == 0.5))):
@@ -362,7 +427,11 @@ def _default_array_scale(x: jax.Array) -> jax.Array:
     non-finite values get 1.
     """
     wide = x.astype(compute_dtype(x.dtype))
-    rms = jnp.sqrt(jnp.mean(jnp.square(wide)))
+    # The RMS of ``wide / 2^k`` (2^k at or below its largest magnitude) times 2^k: the plain
+    # RMS exactly, except that the squares no longer overflow float32 above 1e19 or flush
+    # below 1e-19.
+    unit = pow2_round(jnp.max(jnp.abs(wide)))
+    rms = jnp.sqrt(jnp.mean(jnp.square(wide / unit))) * unit
     scale = pow2_round(rms)
     scale = jnp.where(rms == 0, jnp.float32(2.0**MIN_SCALE_EXPONENT), scale)
     return jnp.where(jnp.isfinite(rms), scale, jnp.float32(1))
@@ -408,6 +477,41 @@ def _needs_split(x: Any) -> bool:
 @functools.partial(jax.jit, static_argnums=1)
 def _split_arrays(xs: tuple[jax.Array, ...], scale_dtype) -> list[tuple[jax.Array, jax.Array]]:
     return [_split_array(x, scale_dtype) for x in xs]
+
+
+def cast_fitting(x: ScaledArray, dtype: DTypeLike) -> ScaledArray:
+    """``x`` with its data cast to ``dtype``, re-centred first where it would not fit.
+
+    Data whose largest magnitude is above ``dtype``'s largest value, or so small that it
+    would lose precision to subnormals (below ``tiny * 2^(mantissa bits + 1)``), is moved to
+    the power of two at or below its RMS (as :func:`as_scaled_array` places it) before the
+    cast: the value is kept, no ``inf`` or flushed zero appears. Data that fits is cast as
+    is, bit-identical to ``x.astype(dtype)``. Block-scaled values are cast as is.
+
+    Example:
+        >>> x = ScaledArray(jnp.full(2, 1e20), jnp.float32(1.0))
+        >>> y = cast_fitting(x, jnp.float16)
+        >>> y.dtype, round(float(y.to_array(jnp.float32)[0]) / 1e20, 3)
+        (dtype('float16'), 1.0)
+    """
+    dtype = jnp.dtype(dtype)
+    if not _is_float_dtype(dtype):
+        raise TypeError(f"ScaledArray data must have a floating dtype, got {dtype}.")
+    if np.ndim(x.scale) or x.size == 0:
+        return x.astype(dtype)
+    return _cast_fitting(x, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_fitting(x: ScaledArray, dtype: jnp.dtype) -> ScaledArray:
+    wide = x.data.astype(compute_dtype(x.dtype))
+    largest = jnp.max(jnp.abs(wide))
+    info = jnp.finfo(dtype)
+    low = float(info.smallest_normal) * 2.0 ** (info.nmant + 1)
+    fits = ~jnp.isfinite(largest) | (largest == 0) | ((largest <= info.max) & (largest >= low))
+    shift = jnp.where(fits, np.float32(1), _default_array_scale(wide))
+    data = (wide / shift.astype(wide.dtype)).astype(dtype)
+    return ScaledArray._trusted(data, (x.scale.astype(jnp.float32) * shift).astype(x.scale.dtype))
 
 
 def asarray(tree: Any, dtype: DTypeLike | None = None) -> Any:

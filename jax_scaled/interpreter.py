@@ -27,7 +27,7 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled import blocks, constants, recording
 from jax_scaled._threadlocal import ThreadStack
 from jax_scaled.any_scale import AnyScaleValue
-from jax_scaled.array import ScaledArray, is_array_like
+from jax_scaled.array import ScaledArray, engine_builds, is_array_like
 from jax_scaled.config import ScalifyConfig
 from jax_scaled.dtypes import compute_dtype, is_narrow_float
 from jax_scaled.facts import Slot, constant_slot, forwarded
@@ -102,7 +102,7 @@ def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
     with tracing_for_scalify():  # js.quantize binds its primitive, a plain array here
         closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in dynamic])
         found = _true_constants(flat_fn, closed, dynamic)
-    with scale_memo(), constants.true_constants(found):
+    with scale_memo(), constants.true_constants(found), engine_builds():
         in_slots = [Slot(normalized_scalar(x) if normalizes(x) else x) for x in dynamic]
         out_slots = interpret_jaxpr(closed.jaxpr, closed.consts, in_slots)
     outputs = bundle_scales([s.value for s in out_slots], dynamic)

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from jax_scaled.array import ScaledArray, is_scaled_leaf
+from jax_scaled.array import ScaledArray, cast_fitting, is_scaled_leaf
 
 
 def tree_map(fn: Callable, tree: Any, *rest: Any) -> Any:
@@ -42,9 +42,11 @@ def tree_leaves(tree: Any) -> list:
 
 
 def astype(tree: Any, dtype) -> Any:
-    """Cast every floating leaf to ``dtype``; ScaledArrays cast their data, keep their scale.
+    """Cast every floating leaf to ``dtype``; ScaledArrays cast their data.
 
-    Integer and boolean leaves are unchanged.
+    A ScaledArray keeps its scale unless its data would not fit ``dtype`` (an ``inf``, or a
+    value lost to subnormals): that data is re-centred on its RMS first, the value unchanged
+    (:func:`~jax_scaled.array.cast_fitting`). Integer and boolean leaves are unchanged.
 
     Example:
         >>> astype({"w": scaled_array(jnp.ones(2), 4.0)}, jnp.float16)["w"].dtype
@@ -53,7 +55,7 @@ def astype(tree: Any, dtype) -> Any:
 
     def cast(x):
         if isinstance(x, ScaledArray):
-            return x.astype(dtype)
+            return cast_fitting(x, dtype)
         if hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
             return x.astype(dtype)
         return x

@@ -1,0 +1,112 @@
+"""Every ScaledArray a user can build is safe: traced non-power-of-two scales, zeros with a
+nominal scale, values beyond a format's range (DESIGN.md, invariant 6)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_scaled as js
+from tests.helpers import reference64, value64
+
+FLOAT16_EPS = float(jnp.finfo(jnp.float16).eps)
+
+
+def relative_error(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("scale", [3.0, 448.0 / 3, 1e-7, 5e6])
+def test_traced_scale_that_is_not_a_power_of_two_is_normalised(scale):
+    data = jax.random.normal(jax.random.key(1), (256, 128))
+    fn = jax.jit(lambda d, s: js.asarray(js.scalify(lambda t: t * t + t)(js.ScaledArray(d, s))))
+    got = fn(data / scale, np.float32(scale))
+    value = np.asarray(data / scale, np.float64) * np.float32(scale)
+    assert relative_error(got, value * value + value) < 4 * float(jnp.finfo(jnp.float32).eps)
+
+
+def test_traced_power_of_two_scale_keeps_the_data_bit_identical():
+    data = jax.random.normal(jax.random.key(2), (64, 512)).astype(jnp.float16)
+    built = jax.jit(lambda d, s: js.ScaledArray(d, s))(data, np.float32(2.0**-20))
+    np.testing.assert_array_equal(np.asarray(built.data), np.asarray(data))
+    assert float(built.scale) == 2.0**-20
+
+
+def test_traced_scale_of_delayed_scaling_does_not_overflow_e4m3():
+    x = jax.random.normal(jax.random.key(3), (64, 512)) * 7.0
+
+    @jax.jit
+    def port(x):  # as code ported from delayed-scaling libraries writes it
+        scale = jnp.max(jnp.abs(x)) / 448.0
+        q = js.ScaledArray((x / scale).astype(jnp.float8_e4m3fn), scale)
+        return js.asarray(q, jnp.float32), q.scale
+
+    got, scale = port(x)
+    assert np.all(np.isfinite(got))
+    assert np.frexp(float(scale))[0] == 0.5
+    assert relative_error(got, x) <= float(jnp.finfo(jnp.float8_e4m3fn).eps)
+
+
+def test_concrete_scale_that_is_not_a_power_of_two_raises():
+    with pytest.raises(ValueError, match="power of two"):
+        js.ScaledArray(jnp.ones(4), jnp.float32(3.0))
+
+
+@pytest.mark.parametrize("build", ["eager", "jit"])
+def test_zero_with_a_nominal_scale_takes_the_smallest_scale(build):
+    make = lambda d: js.scaled_array(d, 2.0**-20)  # noqa: E731
+    if build == "jit":
+        make = jax.jit(make)
+    assert float(make(jnp.zeros((4, 8), jnp.float16)).scale) == 2.0**-126
+    assert float(make(jnp.ones((4, 8), jnp.float16)).scale) == 2.0**-20
+
+
+class TwoDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(nn.Dense(256)(x))
+
+
+@pytest.mark.parametrize("scale", [2.0**-20, 2.0**20])
+def test_model_put_at_one_scale_has_the_reference_gradient(scale):
+    """Every leaf built as scaled_array(float16 data, scale), zero biases included."""
+    model = TwoDense()
+    x = jax.random.normal(jax.random.key(1), (32, 64))
+    params = model.init(jax.random.key(0), x)
+
+    def loss(p, x):
+        return jnp.mean(model.apply(p, x) ** 2)
+
+    at_scale = lambda a: js.scaled_array(a.astype(jnp.float16), scale)  # noqa: E731
+    params_s, x_s = jax.tree.map(at_scale, params), at_scale(x)
+    grads = jax.jit(js.scalify(jax.grad(loss)))(params_s, x_s)
+    want = reference64(jax.grad(loss), params_s, x_s)
+    got = jax.tree.map(value64, grads, is_leaf=lambda v: isinstance(v, js.ScaledArray))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.all(np.isfinite(g))
+        assert relative_error(g, w) < 16 * FLOAT16_EPS
+
+
+@pytest.mark.parametrize("value", [1e20, 1e-20, 3e38, 1e-37])
+def test_as_scaled_array_then_float16_keeps_values_beyond_float16(value):
+    x = js.tree.astype(js.as_scaled_array(jnp.full((4, 1024), value)), jnp.float16)
+    assert relative_error(js.asarray(x, jnp.float32), np.full((4, 1024), value)) <= FLOAT16_EPS
+
+
+@pytest.mark.parametrize("value", [1e5, 1e-9])
+@pytest.mark.parametrize("under_jit", [False, True])
+def test_tree_astype_recentres_data_that_does_not_fit(value, under_jit):
+    x = js.scaled_array(jnp.full((64,), value), 1.0)
+    cast = lambda t: js.tree.astype(t, jnp.float16)  # noqa: E731
+    y = jax.jit(cast)(x) if under_jit else cast(x)
+    assert y.dtype == jnp.float16
+    assert relative_error(js.asarray(y, jnp.float32), np.full(64, value)) <= FLOAT16_EPS
+
+
+def test_tree_astype_keeps_data_that_fits_bit_identical():
+    x = js.as_scaled_array(jax.random.normal(jax.random.key(0), (64, 512)) * 2.0**-20)
+    y = js.tree.astype(x, jnp.float16)
+    np.testing.assert_array_equal(np.asarray(y.data), np.asarray(x.data.astype(jnp.float16)))
+    assert float(y.scale) == float(x.scale)
