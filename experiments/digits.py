@@ -49,13 +49,7 @@ class Config:
     hidden: tuple[int, ...] = (128, 128)
     optimizer: str = "adam"  # "adam" or "sgd" (with momentum 0.9)
     learning_rate: float | None = None  # default: 1e-3 for adam, 0.05 for sgd
-    # Adam's epsilon. Not for rounding (scalify recovers optax's 1e-8, which JAX rounds to 0
-    # when it traces a float16 program), but for float16's range under one scale per tensor:
-    # the weight gradients of rarely lit pixels are 2^18 below the largest of their tensor, so
-    # their squares in Adam's float16 second moment flush to zero (it holds about 2^27 below
-    # its largest datum), and m / (0 + eps) with eps = 1e-8 overflows float16. 1e-7 bounds
-    # those updates; fp32 is unaffected. See docs/index.md, "What scalify cannot do".
-    adam_eps: float = 1e-7
+    adam_eps: float = 1e-8  # optax's default
     seed: int = 0
     test_fraction: float = 0.25
     warmup_steps: int = 10  # steps left out of the ms/step median (compilation, caches)
@@ -101,6 +95,15 @@ class Mode:
             return js.tree.astype(js.as_scaled_array(tree), self.dtype)
         return _cast_floats(tree, self.dtype)
 
+    def optimizer(self, opt: optax.GradientTransformation) -> optax.GradientTransformation:
+        """``opt`` as this mode runs it: scaled modes store its state with
+        ``js.optim.scaled_state`` (``dtype`` data, one scale per 32 elements)."""
+        return js.optim.scaled_state(opt, self.dtype) if self.scaled else opt
+
+    def optimizer_state(self, state: Any) -> Any:
+        """The state of :meth:`optimizer`'s ``init`` in this mode's representation."""
+        return state if self.scaled else _cast_floats(state, self.dtype)
+
     def batch(self, batch: Any) -> Any:
         """A batch already in ``dtype`` (see :meth:`cast_dataset`), ready for the step."""
         return js.as_scaled_array(batch) if self.scaled else batch
@@ -128,7 +131,9 @@ def register_mode(mode: Mode) -> Mode:
 register_mode(Mode("fp32", jnp.float32, False, "plain float32, jax.jit(step)"))
 register_mode(Mode("fp16", jnp.float16, False, "raw float16 params/state/inputs, no scaling"))
 register_mode(Mode("bf16", jnp.bfloat16, False, "raw bfloat16 params/state/inputs"))
-register_mode(Mode("scaled-fp16", jnp.float16, True, "jax.jit(js.scalify(step)), float16 data"))
+register_mode(
+    Mode("scaled-fp16", jnp.float16, True, "jax.jit(js.scalify(step)), float16, optim.scaled_state")
+)
 register_mode(Mode("scaled-fp32", jnp.float32, True, "jax.jit(js.scalify(step)), float32 data"))
 
 DEFAULT_MODES = ("fp32", "fp16", "scaled-fp16")
@@ -254,10 +259,10 @@ def train(
 ) -> Result:
     """Train ``params`` (float32 pytree) on ``dataset`` under ``config``; evaluate at the end."""
     mode = MODES[config.mode]
-    opt = make_optimizer(config)
-    opt_state = opt.init(params)
+    opt = mode.optimizer(make_optimizer(config))
+    opt_state = mode.optimizer_state(opt.init(params))
     step = mode.compile(make_train_step(opt, loss))
-    params, opt_state = mode.state(params), mode.state(opt_state)
+    params = mode.state(params)
 
     train_data, test_data = mode.cast_dataset(dataset.train), mode.cast_dataset(dataset.test)
     indices = batch_indices(len(train_data["x"]), config.batch_size, config.steps, config.seed)

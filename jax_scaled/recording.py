@@ -92,6 +92,11 @@ class ScaleRecord:
         return math.log2(self.value_rms) if self.value_rms > 0 else -math.inf
 
     @property
+    def finite(self) -> bool:
+        """True when every data element and the scale are finite (no ``inf``, no ``NaN``)."""
+        return self.nonfinite == 0 and math.isfinite(self.scale)
+
+    @property
     def location(self) -> SourceLocation:
         """``source`` parsed into file, line and function."""
         return SourceLocation.parse(self.source)
@@ -262,6 +267,9 @@ def _receiver(recorder: _Recorder, static: tuple) -> Any:
 def worst(records: Sequence[ScaleRecord], limit: int = 20, min_size: int = 2) -> list[ScaleRecord]:
     """The ``limit`` records furthest from unit scale, non-finite data first.
 
+    The first non-finite record in program order (:func:`first_nonfinite`, the producer of
+    the ``inf`` or ``NaN`` the others propagate) leads, then those with a ``NaN``.
+
     Records of fewer than ``min_size`` elements (scalars) are skipped: their data is a
     mantissa in ``[1, 2)`` by construction and says nothing about drift.
 
@@ -279,9 +287,41 @@ def worst(records: Sequence[ScaleRecord], limit: int = 20, min_size: int = 2) ->
         ['mul']
     """
     candidates = [r for r in records if r.size >= min_size]
+    first = first_nonfinite(candidates)
 
     def badness(r: ScaleRecord) -> tuple:
         drift = abs(r.rms_bits) if r.rms > 0 else math.inf
-        return (r.nans > 0, r.nonfinite > 0, drift, r.zeros / r.size)
+        return (r is first, r.nans > 0, not r.finite, drift, r.zeros / r.size)
 
     return sorted(candidates, key=badness, reverse=True)[:limit]
+
+
+def first_nonfinite(records: Sequence[ScaleRecord], nans_only: bool = False) -> ScaleRecord | None:
+    """The first record, in program order, whose value holds an ``inf`` or a ``NaN``.
+
+    This names the operation that produced the first non-finite value of a step (its
+    ``primitive`` and the user's ``source`` line): later ones only propagate it. Records are
+    in program order once :func:`record_scales` exits (forward pass, then backward, then the
+    optimizer); the records of an equation in a loop body (one per iteration) share its
+    position. A value that was not scaled (computed from plain arrays only) has no record.
+
+    Args:
+        records: from :func:`record_scales`.
+        nans_only: look for ``NaN`` only, passing over infinities a program makes on purpose
+            (``-inf`` attention masks).
+
+    Returns:
+        The record, or ``None`` when every recorded value is finite.
+
+    Example:
+        >>> x = js.as_scaled_array(jnp.array([1.0, -1.0, 2.0]))
+        >>> with js.diagnostics.record_scales() as records:
+        ...     _ = jax.jit(js.scalify(lambda x: jnp.exp(jnp.log(x) * 2)))(x)
+        >>> first = js.diagnostics.first_nonfinite(records)
+        >>> first.primitive, first.nans
+        ('log', 1)
+    """
+    for r in sorted(records, key=lambda r: r.index):
+        if (r.nans > 0 or math.isnan(r.scale)) if nans_only else not r.finite:
+            return r
+    return None

@@ -7,6 +7,7 @@ format: it overflows, or underflows into subnormals and zeros. :func:`record_sca
 where, equation by equation, forward and backward. Then:
 
 * :func:`worst` and :func:`format_records` (a table, or the source annotated with bits);
+* :func:`first_nonfinite`: the operation that produced a step's first ``inf`` or ``NaN``;
 * :func:`plot`: a chart of values and data against the float16 / FP8 ranges (matplotlib);
 * :func:`to_rows` and :func:`to_dataframe`: tabular export (pandas, the ``analysis`` extra);
 * :func:`check_scaling`: check that a function (a new op, a ``custom_scale`` rule) keeps
@@ -28,6 +29,7 @@ from jax_scaled.diagnostics.plot import plot
 from jax_scaled.recording import (
     ScaleRecord,
     SourceLocation,
+    first_nonfinite,
     is_recording,
     observe,
     record_scales,
@@ -40,6 +42,7 @@ __all__ = [
     "ScalingReport",
     "SourceLocation",
     "check_scaling",
+    "first_nonfinite",
     "format_records",
     "is_recording",
     "observe",

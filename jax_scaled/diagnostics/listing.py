@@ -6,7 +6,9 @@ import linecache
 import math
 from collections.abc import Sequence
 
-from jax_scaled.recording import ScaleRecord
+from jax_scaled.recording import ScaleRecord, first_nonfinite
+
+_FIRST = "FIRST NON-FINITE"
 
 _GROUPINGS = (None, "record", "source")
 
@@ -20,6 +22,8 @@ def format_records(records: Sequence[ScaleRecord], group_by: str | None = None) 
     on the forward (``->``) and backward (``<-``) pass, like unit-scaling's
     ``analyse_module``. Several records of one primitive on one line show as a range
     ``lo..hi`` with their count. A file that cannot be read shows its locations only.
+    Both views mark the first record with an ``inf`` or ``NaN`` in program order (see
+    :func:`~jax_scaled.diagnostics.first_nonfinite`) with ``FIRST NON-FINITE``.
 
     Args:
         records: from :func:`~jax_scaled.diagnostics.record_scales`.
@@ -46,6 +50,7 @@ def format_records(records: Sequence[ScaleRecord], group_by: str | None = None) 
 
 def _record_table(records: Sequence[ScaleRecord]) -> str:
     lines = ["pass primitive  value  scale  rms(bits)  max  headroom(bits)  zeros  source"]
+    first = first_nonfinite(records)
     for r in records:
         shape = ",".join(map(str, r.shape))
         exponent = f"2^{math.log2(r.scale):.0f}" if r.scale > 0 else "0"
@@ -55,6 +60,7 @@ def _record_table(records: Sequence[ScaleRecord]) -> str:
             f"headroom={r.headroom_bits:.1f} zeros={r.zeros / max(r.size, 1):.0%}"
             f"{' nonfinite=' + str(r.nonfinite) if r.nonfinite else ''}"
             f"{' NaN=' + str(r.nans) if r.nans else ''} {r.source}"
+            f"{'  <- ' + _FIRST if r is first else ''}"
         )
     return "\n".join(lines)
 
@@ -65,12 +71,13 @@ def _annotated_listing(records: Sequence[ScaleRecord]) -> str:
         where = r.location
         by_file.setdefault(where.file, {}).setdefault(where.line, []).append(r)
     lines: list[str] = []
+    first = first_nonfinite(records)
     for file, by_line in by_file.items():
         lines.append(file)
         for line in sorted(by_line):
             if line:  # 0: a location without a line (``<unknown location>``)
                 lines.append(f"{line:7d}  {_source_text(file, line)}")
-            lines.extend(_primitive_annotations(by_line[line]))
+            lines.extend(_primitive_annotations(by_line[line], first))
     return "\n".join(lines)
 
 
@@ -79,7 +86,7 @@ def _source_text(file: str, line: int) -> str:
     return linecache.getline(file, line).strip() or "<source not available>"
 
 
-def _primitive_annotations(records: list[ScaleRecord]) -> list[str]:
+def _primitive_annotations(records: list[ScaleRecord], first: ScaleRecord | None) -> list[str]:
     """One line per primitive: ``name  -> forward bits  <- backward bits  [warnings]``."""
     by_primitive: dict[str, list[ScaleRecord]] = {}
     for r in records:
@@ -91,7 +98,7 @@ def _primitive_annotations(records: list[ScaleRecord]) -> list[str]:
         passes = [f"-> {_bits(forward)}"] if forward else []
         passes += [f"<- {_bits(backward)}"] if backward else []
         annotation = "  ".join(passes)
-        lines.append(f"{'':9}{primitive:20} {annotation}{_warnings(group)}".rstrip())
+        lines.append(f"{'':9}{primitive:20} {annotation}{_warnings(group, first)}".rstrip())
     return lines
 
 
@@ -104,9 +111,10 @@ def _bits(records: list[ScaleRecord]) -> str:
     return f"{low:+.1f}..{high:+.1f} ({len(bits)})"
 
 
-def _warnings(records: list[ScaleRecord]) -> str:
+def _warnings(records: list[ScaleRecord], first: ScaleRecord | None) -> str:
     nonfinite = sum(r.nonfinite for r in records)
     zeros = sum(r.zeros for r in records) / max(sum(r.size for r in records), 1)
-    notes = [f"nonfinite={nonfinite}"] if nonfinite else []
+    notes = [_FIRST] if any(r is first for r in records) else []
+    notes += [f"nonfinite={nonfinite}"] if nonfinite else []
     notes += [f"zeros={zeros:.0%}"] if zeros >= 0.5 else []
     return "  [" + ", ".join(notes) + "]" if notes else ""

@@ -41,6 +41,7 @@ step, and nothing re-centres the data.
 """
 
 from jax_scaled.optim.master import apply_updates, as_master
+from jax_scaled.optim.nonfinite import skip_nonfinite
 from jax_scaled.optim.state import scaled_state, state_bytes
 
-__all__ = ["apply_updates", "as_master", "scaled_state", "state_bytes"]
+__all__ = ["apply_updates", "as_master", "scaled_state", "skip_nonfinite", "state_bytes"]

@@ -4,6 +4,8 @@ function under scalify only when it is handed ScaledArrays."""
 from __future__ import annotations
 
 import functools
+import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -14,13 +16,18 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled import ops
 from jax_scaled.array import ScaledArray, as_scaled_array
 from jax_scaled.interpreter import scalify
+from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.ops.rescale import dynamic_rescale_rule
+from jax_scaled.quantize import quantize
 from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules.casts import float_dtype, saturate
 from jax_scaled.scales.values import as_scaled
 from jax_scaled.tree import tree_leaves, tree_map
 
 DTypeLike = Any
+
+# The update functions of scaled_state transformations (to refuse wrapping them in a cond).
+SCALED_STATE_UPDATES: weakref.WeakSet = weakref.WeakSet()
 
 RESCALES: dict[str, Callable[[jax.Array], jax.Array]] = {
     "l1": ops.dynamic_rescale_l1,
@@ -100,32 +107,102 @@ def _promote_plain_rule(x: jax.Array) -> ScaledArray:
 # -- storage ---------------------------------------------------------------------------------
 
 
-def stored(x: jax.Array, dtype: DTypeLike, rescale: str | None) -> jax.Array:
+def storage_blocks(shape: tuple[int, ...], block_size: int | None) -> tuple[int, ...] | None:
+    """The block shape a state leaf of ``shape`` is stored with: about ``block_size``
+    elements a scale. Along the last axis, ``block_size`` elements where they divide it, the
+    whole axis otherwise; a last axis shorter than ``block_size`` is extended over the axes
+    before it (by their largest divisors that fit), so that small leaves do not pay a scale
+    every few elements. None (one scale) for scalars, one-element leaves and
+    ``block_size=None``.
+
+    Example:
+        >>> storage_blocks((64, 512), 32), storage_blocks((16, 8), 32), storage_blocks((), 32)
+        ((1, 32), (4, 8), None)
+        >>> storage_blocks((3, 3, 1, 16), 32), storage_blocks((50257,), 32)
+        ((1, 1, 1, 16), (50257,))
+    """
+    if block_size is None or math.prod(shape) <= 1:
+        return None
+    blocks = [1] * len(shape)
+    remaining = block_size
+    for axis in reversed(range(len(shape))):
+        n = shape[axis]
+        if n % remaining == 0 or axis == len(shape) - 1 and n > remaining:
+            blocks[axis] = remaining if n % remaining == 0 else n
+            break
+        blocks[axis] = max(d for d in range(1, min(n, remaining) + 1) if n % d == 0)
+        if blocks[axis] < n:
+            break
+        remaining //= n
+    return tuple(blocks)
+
+
+def stored(
+    x: jax.Array,
+    dtype: DTypeLike,
+    rescale: str | None,
+    block_size: int | None = None,
+    scale_dtype: DTypeLike | None = None,
+) -> jax.Array:
     """A floating leaf as it is stored between steps (traced under scalify).
 
-    Made scaled (:func:`promote_plain`), rescaled while its data is still wide, clipped to the
-    finite range of ``dtype`` (no ``inf``/``NaN`` from an overflowing cast), cast to ``dtype``.
-    Scalars keep at least float32 data: they are hyperparameters (schedule-free's ``b1``,
-    injected learning rates) or moments of scalar parameters, precision-sensitive and small.
+    With ``block_size``, quantized to ``dtype`` with one power-of-two scale per block
+    (:func:`storage_blocks`; the ``"rceil"`` rule: each block's largest value at the top of
+    the format, never saturated), so each block keeps the format's whole range below its own
+    largest element. Otherwise one scale: made scaled (:func:`promote_plain`), rescaled while
+    its data is still wide, clipped to the finite range of ``dtype`` (no ``inf``/``NaN`` from
+    an overflowing cast), cast to ``dtype``. Scalars keep at least float32 data: they are
+    hyperparameters (schedule-free's ``b1``, injected learning rates) or moments of scalar
+    parameters, precision-sensitive and small.
     """
     if jnp.ndim(x) == 0:  # a hyperparameter or a scalar's moment: costs nothing in float32
         dtype = wider_dtype(dtype, jnp.float32)
+    blocks = storage_blocks(jnp.shape(x), block_size)
+    if blocks is not None:
+        return quantize(x, dtype, block_shape=blocks, scale_rule="rceil", scale_dtype=scale_dtype)
     x = rescaled(promote_plain(x), rescale)
     return saturate(x, dtype).astype(dtype)
 
 
-def stored_tree(tree: Any, dtype: DTypeLike, rescale: str | None) -> Any:
+def stored_tree(
+    tree: Any,
+    dtype: DTypeLike,
+    rescale: str | None,
+    block_size: int | None = None,
+    scale_dtype: DTypeLike | None = None,
+) -> Any:
     """:func:`stored` applied to every floating leaf of ``tree``; other leaves unchanged."""
-    return tree_map(lambda x: stored(x, dtype, rescale) if is_float(x) else x, tree)
+
+    def store(x: Any) -> Any:
+        return stored(x, dtype, rescale, block_size, scale_dtype) if is_float(x) else x
+
+    return tree_map(store, tree)
+
+
+def loaded(x: Any, compute_dtype: DTypeLike | None) -> Any:
+    """A stored floating leaf as an update computes on it (traced under scalify): widened to
+    float32 and merged to one scale (exact: float32 holds every block's range), then cast to
+    ``compute_dtype`` (None: back to the stored dtype, as plain optax on a cast state
+    computes, the data re-centred on its RMS first). A per-tensor leaf is only widened (the
+    merge is an identity)."""
+    if not is_float(x):
+        return x
+    target = x.dtype if compute_dtype is None else wider_dtype(x.dtype, compute_dtype)
+    merged = merge_blocks(x.astype(wider_dtype(x.dtype, jnp.float32)))
+    if jnp.finfo(target).maxexp < jnp.finfo(jnp.float32).maxexp:  # stored at the top of it
+        merged = rescaled(merged, "l2")
+    return merged.astype(target)
 
 
 E8M0_ZERO_SCALE = 2.0**-100
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "rescale"))
-def _store_scaled(tree: Any, dtype: jnp.dtype, rescale: str | None) -> Any:
+@functools.partial(jax.jit, static_argnames=("dtype", "rescale", "block_size", "scale_dtype"))
+def _store_scaled(
+    tree: Any, dtype: jnp.dtype, rescale: str | None, block_size: int | None, scale_dtype: Any
+) -> Any:
     tree = tree_map(_lift_e8m0_zero_scale, tree)
-    return scalify(stored_tree)(tree, dtype, rescale)
+    return scalify(stored_tree)(tree, dtype, rescale, block_size, scale_dtype)
 
 
 def _lift_e8m0_zero_scale(x: Any) -> Any:
@@ -143,7 +220,11 @@ def _lift_e8m0_zero_scale(x: Any) -> Any:
 
 
 def to_storage(
-    tree: Any, dtype: DTypeLike, rescale: str | None, scale_dtype: DTypeLike | None
+    tree: Any,
+    dtype: DTypeLike,
+    rescale: str | None,
+    scale_dtype: DTypeLike | None,
+    block_size: int | None = None,
 ) -> Any:
     """Every floating leaf of a concrete ``tree`` as a ScaledArray with ``dtype`` data.
 
@@ -151,7 +232,8 @@ def to_storage(
     leaves get scale ``2^-126``), then stored (:func:`stored`) in one compiled call.
     """
     tree = as_scaled_array(tree, scale_dtype=scale_dtype)
-    return _store_scaled(tree, float_dtype(dtype), check_rescale(rescale))
+    scale_dtype = None if scale_dtype is None else jnp.dtype(scale_dtype)
+    return _store_scaled(tree, float_dtype(dtype), check_rescale(rescale), block_size, scale_dtype)
 
 
 def like_reference(reference: Any, tree: Any) -> Any:

@@ -10,11 +10,13 @@ import optax
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.optim._storage import (
+    SCALED_STATE_UPDATES,
     DTypeLike,
     call_scaled,
     check_rescale,
     is_float,
     like_reference,
+    loaded,
     promote_plain,
     rescaled,
     stored_tree,
@@ -33,16 +35,22 @@ def scaled_state(
     rescale_grads: bool = False,
     compute_dtype: DTypeLike | None = jnp.float32,
     scale_dtype: DTypeLike | None = None,
+    block_size: int | None = 32,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an optax transformation so that its state is kept as scaled ``dtype`` data.
 
     ``init`` runs ``inner.init`` and returns its state with every floating leaf turned into a
     ScaledArray whose data has ``dtype`` (integer leaves, such as Adam's step count, are
-    unchanged; scalar floating leaves keep float32 data). ``update`` widens the state's and
-    the gradients' data to ``compute_dtype``, runs ``inner.update`` with scale propagation,
-    and stores the new state the same way: each floating leaf a ScaledArray again, its data
-    re-centred on unit scale (``rescale``), clipped to the finite range of ``dtype`` and cast
-    to it.
+    unchanged; scalar floating leaves keep float32 data). Each state leaf has one
+    power-of-two scale per block of ``block_size`` elements along its last axis (whole rows
+    where they do not divide it), each block's largest value at the top of ``dtype``: a
+    second moment (``g**2``, twice the binades of the gradients) keeps, in every block, the
+    whole range of float16 below its own largest element, where one scale per tensor flushes
+    the small moments of a realistic gradient to zero (Adam's update is then ``m / eps``).
+    ``update`` widens the state's, the gradients' and the parameters' data to
+    ``compute_dtype`` (merging each state leaf's blocks to one float32 scale, exactly), runs
+    ``inner.update`` with scale propagation, and stores the new state the same way. The state keeps ``dtype`` across
+    steps, whatever dtypes optax's arithmetic gives it (one compilation).
 
     Call ``init`` outside ``scalify`` (plain or under ``jax.jit``). ``update`` works inside
     ``scalify`` (the usual case: the whole train step is scalified and
@@ -57,7 +65,8 @@ def scaled_state(
         dtype: the data format of the state: ``jnp.float16`` (default), ``jnp.bfloat16``,
             ``jnp.float8_e4m3fn``, ... (``jnp.float32`` keeps full precision: the state is
             then numerically the same as ``inner``'s).
-        rescale: the statistic that re-centres each state leaf's data after every update:
+        rescale: with ``block_size=None``, the statistic that re-centres each state leaf's
+            data after every update:
             ``"l2"`` (RMS, default), ``"max"`` (largest magnitude in ``[1, 2)``: the choice for
             float8 formats, whose maximum is small), ``"l1"``, or ``None`` (no statistics: the
             scale follows the rules' static estimates).
@@ -70,6 +79,11 @@ def scaled_state(
             the stored dtype, as plain optax on a cast state does (optax's constants, such
             as Adam's ``eps=1e-8``, keep their values: see :mod:`jax_scaled.constants`).
         scale_dtype: dtype of the state's scales: float32 (default) or ``jnp.float8_e8m0fnu``.
+        block_size: elements per scale along each state leaf's last axis (32, the MX block
+            size, by default: a float32 scale costs 1/16 of float16 data's memory, an E8M0
+            one 1/64); ``None`` stores one scale per leaf, data re-centred with ``rescale``
+            (the layout of jax_scaled before block storage; it flushes second moments of
+            large, heavy-tailed gradients).
 
     Returns:
         An optax ``GradientTransformationExtraArgs`` (extra arguments of ``update`` are passed
@@ -99,18 +113,22 @@ def scaled_state(
 
     def init(params: optax.Params) -> optax.OptState:
         state = call_scaled(inner.init, params)
-        return to_storage(state, dtype, rescale, scale_dtype)
+        return to_storage(state, dtype, rescale, scale_dtype, block_size)
 
     def traced_update(grads, state, params, extra_args):
         grads = tree_map(lambda g: _incoming(g, grad_rescale, compute_dtype), grads)
-        state = tree_map(lambda x: _widened(x, compute_dtype), state)
+        state = tree_map(lambda x: loaded(x, compute_dtype), state)
+        # Optax casts some state to the parameters' dtype (adafactor's second moment): wide
+        # parameters keep that computation in compute_dtype as well.
+        params = tree_map(lambda p: _widened(p, compute_dtype), params)
         updates, new_state = inner.update(grads, state, params, **extra_args)
-        return updates, stored_tree(new_state, dtype, rescale)
+        return updates, stored_tree(new_state, dtype, rescale, block_size, scale_dtype)
 
     def update(grads, state, params=None, **extra_args):
         updates, new_state = call_scaled(traced_update, grads, state, params, extra_args)
         return like_reference(grads, updates), new_state
 
+    SCALED_STATE_UPDATES.add(update)
     return optax.GradientTransformationExtraArgs(init, update)
 
 
