@@ -1,0 +1,68 @@
+"""js.optim.scaled_state at real sizes: 32k-element weights, Gaussian and heavy-tailed
+gradients, ten updates of each optimizer of the training zoo with default hyperparameters
+(DESIGN.md, invariant 6). The reference is float32 optax on the same float16 gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_scaled as js
+
+SHAPE, STEPS = (512, 64), 10
+EPS16 = float(jnp.finfo(jnp.float16).eps)
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3),
+    "lion": lambda: optax.lion(1e-4),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "rmsprop": lambda: optax.rmsprop(1e-3),
+    "adabelief": lambda: optax.adabelief(1e-3),
+    "lamb": lambda: optax.lamb(1e-3),
+}
+
+
+def float16_gradients(kind: str) -> list[jax.Array]:
+    keys = jax.random.split(jax.random.key(1), STEPS)
+    if kind == "gaussian":
+        grads = [jax.random.normal(k, SHAPE) * 1e-2 for k in keys]
+    else:  # heavy-tailed: Student-t with 1.5 degrees of freedom (infinite variance)
+        grads = [jax.random.t(k, 1.5, SHAPE) * 1e-4 for k in keys]
+    return [g.astype(jnp.float16) for g in grads]
+
+
+def run(opt, grads, scalified: bool):
+    weight = jax.random.normal(jax.random.key(0), SHAPE) * 0.05
+    state = opt.init(weight)
+    update = jax.jit(js.scalify(opt.update) if scalified else opt.update)
+    steps = []
+    for g in grads:
+        g = js.tree.astype(js.as_scaled_array(g), jnp.float16) if scalified else g.astype(float)
+        updates, state = update(g, state, weight)
+        step = js.asarray(updates, jnp.float32)
+        steps.append(step)
+        weight = weight + step
+    return weight, steps, state
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "student_t"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_scaled_state_follows_float32_on_real_sizes(name, kind):
+    grads = float16_gradients(kind)
+    want, want_steps, _ = run(OPTIMIZERS[name](), grads, scalified=False)
+    got, _, state = run(js.optim.scaled_state(OPTIMIZERS[name]()), grads, scalified=True)
+    assert np.all(np.isfinite(got))
+    # Each step's update is within a few float16 roundings (the state's stored leaves, one
+    # each per step) of its largest element, accumulated over the steps.
+    largest_step = max(float(jnp.max(jnp.abs(s))) for s in want_steps)
+    off = jnp.abs(got - want) > STEPS * 8 * EPS16 * largest_step
+    if name == "lion":  # sign(): a float16 rounding flips it where its argument is near 0
+        assert float(jnp.mean(off)) <= 2 * EPS16, float(jnp.mean(off))  # P(|N(0,1)| < eps)
+    else:
+        assert not jnp.any(off), float(jnp.max(jnp.abs(got - want)))
+    for leaf in js.tree.tree_leaves(state):  # the state stays float16
+        if isinstance(leaf, js.ScaledArray) and leaf.ndim == 2:
+            assert leaf.dtype == jnp.float16
