@@ -445,3 +445,17 @@ def test_invalid_arguments_are_refused():
         optim.scaled_state(optax.adam(1e-3), jnp.int8)
     with pytest.raises(ValueError, match="rescale"):
         optim.apply_updates({"w": jnp.ones(2)}, {"w": jnp.ones(2)}, rescale="mean")
+
+
+def test_state_keeps_float16_and_the_step_compiles_once_with_float32_gradients():
+    """The README's recipe: float32 parameters (hence gradients), float16 state: optax would
+    promote Adam's first moment to float32 after one step (a second compilation)."""
+    params = init_mlp(jax.random.key(11))
+    x, labels = teacher_data(jax.random.key(12))
+    opt = optim.scaled_state(optax.adam(1e-3))
+    step = jax.jit(js.scalify(make_step(opt, optax.apply_updates)))
+    params, state = js.as_scaled_array(params), opt.init(params)
+    for _ in range(3):
+        params, state, _ = step(params, state, x, labels)
+    assert step._cache_size() == 1
+    assert all(leaf.dtype == jnp.float16 for leaf in float_state_leaves(state) if leaf.ndim)
