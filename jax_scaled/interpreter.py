@@ -105,7 +105,7 @@ def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
     with scale_memo(), constants.true_constants(found), engine_builds():
         in_slots = [Slot(normalized_scalar(x) if normalizes(x) else x) for x in dynamic]
         out_slots = interpret_jaxpr(closed.jaxpr, closed.consts, in_slots)
-    outputs = bundle_scales([s.value for s in out_slots], dynamic)
+        outputs = bundle_scales([s.value for s in out_slots], dynamic)
     return jax.tree.unflatten(out_tree_box[0], outputs)
 
 
