@@ -67,6 +67,9 @@ def scalify(fn: Callable, *, config: ScalifyConfig | None = None) -> Callable:
         (True, 10.0)
     """
 
+    if not callable(fn):
+        raise TypeError(f"scalify expects a function, got {type(fn).__name__}: {fn!r}.")
+
     @functools.wraps(fn)
     def scalified(*args, **kwargs):
         with config if config is not None else contextlib.nullcontext():
@@ -96,6 +99,7 @@ def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
         merged = [next(values) if d else x for x, d in zip(leaves, is_dynamic, strict=False)]
         call_args, call_kwargs = jax.tree.unflatten(in_tree, merged)
         out_leaves, out_tree = jax.tree.flatten(fn(*call_args, **call_kwargs))
+        _check_outputs(fn, out_leaves)
         out_tree_box.append(out_tree)
         return out_leaves
 
@@ -107,6 +111,17 @@ def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
         out_slots = interpret_jaxpr(closed.jaxpr, closed.consts, in_slots)
         outputs = bundle_scales([s.value for s in out_slots], dynamic)
     return jax.tree.unflatten(out_tree_box[0], outputs)
+
+
+def _check_outputs(fn: Callable, leaves: list) -> None:
+    """Name the user's function, not scalify's wrapper, when it returns a non-array."""
+    for leaf in leaves:
+        if not (is_array_like(leaf) or isinstance(leaf, (bool, int, float, complex))):
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise TypeError(
+                f"scalified function {name} returned a {type(leaf).__name__} ({leaf!r:.60}): "
+                "it must return arrays, ScaledArrays, Python numbers or pytrees of them."
+            )
 
 
 def _true_constants(

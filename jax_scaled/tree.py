@@ -12,6 +12,15 @@ import jax.numpy as jnp
 
 from jax_scaled.array import ScaledArray, cast_fitting, is_scaled_leaf
 
+__all__ = [
+    "OptimizerStateWarning",
+    "astype",
+    "is_scaled_leaf",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+]
+
 
 def tree_map(fn: Callable, tree: Any, *rest: Any) -> Any:
     """``jax.tree.map`` that hands ScaledArrays to ``fn`` whole.

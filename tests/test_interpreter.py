@@ -283,3 +283,16 @@ def test_product_with_a_constant_zero_is_scale_free():
     out = jax.jit(js.scalify(add_noise))(g, jax.random.key(0))
     assert float(out.scale) == 2.0**-24
     np.testing.assert_array_equal(out.data, g.data)
+
+
+def test_scalify_of_a_non_function_fails_at_once():
+    with pytest.raises(TypeError, match="scalify expects a function, got int"):
+        js.scalify(3)
+
+
+def test_a_non_array_output_names_the_users_function():
+    def returns_text(x):
+        return "hello"
+
+    with pytest.raises(TypeError, match="returns_text returned a str"):
+        js.scalify(returns_text)(jnp.ones(2))
