@@ -15,6 +15,12 @@ magnitude ``amax``, and rounds ``x / scale`` to the element format:
   ``jax.nn.scaled_dot_general``), computed exactly from the exponent and mantissa fields,
   so ``|x| / scale <= max``: it **never saturates**.
 
+Formats wider than 8 bits (``float16``, ``bfloat16``, ``float32``) have range to spare, and
+scalify's rules count on data that keeps headroom (a sum or product of data at the top of
+float16 overflows): their blocks' largest magnitude maps to ``[2^t, 2^(t+1))``, ``t`` the
+range guard's exponent (:func:`~jax_scaled.scales.guard.centre_exponent`; float16: 3), under
+either rule, and nothing saturates.
+
 Rounding is to nearest, ties to even, with the format's subnormals, as ml_dtypes and XLA cast
 (values below half the smallest subnormal flush to zero, keeping their sign). Scales are
 powers of two in ``[2^-126, 2^127]``, the range of every jax_scaled scale (float32's normal
@@ -52,6 +58,7 @@ from jax_scaled.array import ScaledArray, expand_scale
 from jax_scaled.formats import BlockFormat, storage_dtype
 from jax_scaled.primitives import stop_scaling
 from jax_scaled.registry import register_block_rule, register_scale_rule
+from jax_scaled.scales.guard import centre_exponent, top_of_format
 from jax_scaled.scales.static import EXPONENT_BIAS, MANTISSA_BITS
 from jax_scaled.scales.traced import (
     biased_exponent,
@@ -226,14 +233,27 @@ def block_scales(value: jax.Array, spec: QuantizeSpec) -> jax.Array:
         [[1.0, 2.0]]
     """
     amax = _block_amax(value, spec.block_shape)
-    finfo = ml_dtypes.finfo(spec.element_dtype)
-    top = np.float32(finfo.max)
+    top = _top(spec.element_dtype)
     emax = int(np.frexp(top)[1]) - 1
     exponent = lax.sub(pow2_exponent(amax), np.int32(emax))  # floor(log2(amax)) - emax
     if spec.scale_rule == "rceil":  # + 1 where amax's mantissa is above top's
         above = lax.gt(_mantissa_field(amax), top.view(np.uint32) & _MANTISSA_MASK)
         exponent = lax.add(exponent, lax.convert_element_type(above, jnp.int32))
     return pow2_from_exponent(exponent)  # clamped to [2^-126, 2^127]
+
+
+def _top(dtype: np.dtype) -> np.float32:
+    """The value a block's largest magnitude maps near: the format's largest for 8 bits and
+    fewer (OCP MX); below ``2^(t+1)`` for wider formats (see the module notes), with a full
+    mantissa, so that ``rceil`` gives ``floor``'s scale.
+
+    Example:
+        >>> float(_top(np.dtype(jnp.float8_e4m3fn))), float(_top(np.dtype(jnp.float16)))
+        (448.0, 15.999999046325684)
+    """
+    if top_of_format(dtype):
+        return np.float32(ml_dtypes.finfo(dtype).max)
+    return np.nextafter(np.float32(2.0 ** (centre_exponent(dtype) + 1)), np.float32(0))
 
 
 def _block_amax(value: jax.Array, block_shape: tuple[int, ...] | None) -> jax.Array:

@@ -42,15 +42,16 @@ def scaled_state(
     ``init`` runs ``inner.init`` and returns its state with every floating leaf turned into a
     ScaledArray whose data has ``dtype`` (integer leaves, such as Adam's step count, are
     unchanged; scalar floating leaves keep float32 data). Each state leaf has one
-    power-of-two scale per block of ``block_size`` elements along its last axis (whole rows
-    where they do not divide it), each block's largest value at the top of ``dtype``: a
-    second moment (``g**2``, twice the binades of the gradients) keeps, in every block, the
-    whole range of float16 below its own largest element, where one scale per tensor flushes
-    the small moments of a realistic gradient to zero (Adam's update is then ``m / eps``).
-    ``update`` widens the state's, the gradients' and the parameters' data to
-    ``compute_dtype`` (merging each state leaf's blocks to one float32 scale, exactly), runs
-    ``inner.update`` with scale propagation, and stores the new state the same way. The state keeps ``dtype`` across
-    steps, whatever dtypes optax's arithmetic gives it (one compilation).
+    power-of-two scale per block of about ``block_size`` elements along its last axis
+    (:func:`~jax_scaled.optim._storage.storage_blocks`), placed by
+    :func:`~jax_scaled.quantize.quantize`: a second moment (``g**2``, twice the binades of the
+    gradients) keeps, in every block, float16's range below its own largest element, where
+    one scale per tensor flushes the small moments of a realistic gradient to zero (Adam's
+    update is then ``m / eps``). ``update`` widens the state's, the gradients' and the
+    parameters' data to ``compute_dtype`` (merging each state leaf's blocks to one float32
+    scale, exactly), runs ``inner.update`` with scale propagation, and stores the new state
+    the same way. The state keeps ``dtype`` across steps, whatever dtypes optax's arithmetic
+    gives it (one compilation).
 
     Call ``init`` outside ``scalify`` (plain or under ``jax.jit``). ``update`` works inside
     ``scalify`` (the usual case: the whole train step is scalified and

@@ -17,11 +17,15 @@ from jax_scaled.dtypes import compute_dtype
 from jax_scaled.facts import converted_fact
 from jax_scaled.registry import Property, declare, register_scale_rule
 from jax_scaled.scales.guard import (
+    centred,
+    fitting_scale,
     guard_band,
     guarded,
     largest_biased_exponent,
+    products_guarded,
     shift_into_scale,
     sums_guarded,
+    top_of_format,
 )
 from jax_scaled.scales.static import EXPONENT_BIAS, MIN_SCALE_EXPONENT, is_static
 from jax_scaled.scales.traced import (
@@ -40,6 +44,7 @@ from jax_scaled.scales.values import (
     rounded_l2_scale,
     scale_f32,
     scale_mul,
+    scale_reciprocal,
     times_scalar,
     to_compute,
     wide_data,
@@ -88,15 +93,41 @@ def sub_rule(x, y, **params):
     fold=np.multiply,
 )
 def mul_rule(x, y, **params):
+    """sx * sy, data dx * dy. 8-bit data may sit at the top of its format
+    (:func:`~jax_scaled.scales.guard.top_of_format`): a constant factor is applied with its
+    mantissa in [0.5, 1) (:func:`_shrinking_constant`), other products are formed in
+    float32 and their largest datum put at the guard's target (:func:`centred`)."""
+    static = _has_static_scale(x) != _has_static_scale(y)
     x, y = as_scaled(x), as_scaled(y)
     scale = scale_mul(scale_f32(x), scale_f32(y))
+    if top_of_format(x.dtype) and static and jnp.finfo(x.dtype).minexp < 0:
+        x, y = _shrinking_constant(x), _shrinking_constant(y)
+        scale = scale_mul(scale_f32(x), scale_f32(y))
+    elif products_guarded(x.dtype):
+        return centred(lax.mul(_wide(x), _wide(y)), scale, x.dtype, x, y)
     return ScaledArray(lax.mul_p.bind(x.data, y.data, **params), make_scale(scale, x, y))
+
+
+def _shrinking_constant(x: ScaledArray) -> ScaledArray:
+    """A promoted constant (mantissa in [1, 2), static scale) as mantissa / 2 at twice its
+    scale, so that multiplying by it never grows data (exact: the half is a normal number of
+    the format); other values as they are."""
+    if not _has_static_scale(x):
+        return x
+    half = lax.mul(x.data, np.asarray(0.5, x.dtype))
+    return ScaledArray(half, make_scale(scale_mul(scale_f32(x), np.float32(2.0)), x))
 
 
 @register_scale_rule(lax.div_p, properties=_PRODUCT, estimate=estimates.quotient, fold=np.divide)
 def div_rule(x, y, **params):
+    """sx / sy, data dx / dy. 8-bit data (top of its format): formed in float32 and
+    centred (:func:`~jax_scaled.scales.guard.centred`), except by a constant divisor (its
+    mantissa >= 1 only shrinks data)."""
+    divisor_constant = _has_static_scale(y) and not _has_static_scale(x)
     x, y = as_scaled(x), as_scaled(y)
     scale = float_division(scale_f32(x), scale_f32(y))  # cuts scale chains: see scales.xla
+    if products_guarded(x.dtype) and not divisor_constant:
+        return centred(lax.div(_wide(x), _wide(y)), scale, x.dtype, x, y)
     return ScaledArray(lax.div_p.bind(x.data, y.data, **params), make_scale(scale, x, y))
 
 
@@ -174,6 +205,24 @@ def _headroom(dtype) -> float:
     return 2.0 ** (int(math.log2(float(jnp.finfo(dtype).max))) // 2)
 
 
+def _scale_free(x: Value, xs: tuple[Value, ...]) -> jax.Array | None:
+    """Whether operand ``x`` of ``xs`` holds only zeros, infinities or NaNs (a bool traced at
+    run time), or None where it need not be asked.
+
+    Such a value is the same at any scale; the interpreter gives it the other operands'
+    scale, or, where they have block scales, the largest block scale, which must not raise
+    every block's (``relu``'s ``0.0``, a ``jnp.where`` fill). Asked of operands with a scale
+    of their own: of one element (folded by XLA for a literal), or of any size for 8-bit
+    data. A per-tensor program's fills share their scale object and cost nothing."""
+    if not isinstance(x, ScaledArray) or _has_static_scale(x) or x.size == 0:
+        return None
+    if any(y is not x and isinstance(y, ScaledArray) and y.scale is x.scale for y in xs):
+        return None
+    if x.size != 1 and not products_guarded(x.dtype):
+        return None
+    return jnp.all((x.data == 0) | ~lax.is_finite(x.data))
+
+
 def align_selection(*xs: Value) -> tuple[list[jax.Array], jax.Array]:
     """Align the operands of a selection (select_n, max, min, concatenate): ``(datas, scale)``.
 
@@ -188,7 +237,28 @@ def align_selection(*xs: Value) -> tuple[list[jax.Array], jax.Array]:
         >>> datas, scale = align_selection(fill, x)
         >>> float(scale), datas[1].tolist()
         (1.8446744073709552e+19, [5.421010862427522e-20, 1.0842021724855044e-19])
+
+    Scale-free operands (:func:`_scale_free`) are left out of the common scale: a ``relu``
+    of block-scaled data keeps every block's scale, exactly. 8-bit data sits at the top of
+    its format: see :func:`_align_narrow`.
     """
+    free = [_scale_free(x, xs) for x in xs]
+    if all(f is None for f in free):
+        return _align_with_constants(*xs)
+    smallest = np.float32(2.0**MIN_SCALE_EXPONENT)
+    kept = [
+        x if f is None else ScaledArray(x.data, lax.select(f, smallest, scale_f32(x)))
+        for x, f in zip(xs, free, strict=True)
+    ]
+    datas, scale = _align_with_constants(*kept)
+    datas = [d if f is None else lax.select(f, x.data, d) for x, f, d in zip(xs, free, datas)]
+    return datas, scale
+
+
+def _align_with_constants(*xs: Value) -> tuple[list[jax.Array], jax.Array]:
+    """:func:`align_selection` once scale-free operands are set aside."""
+    if products_guarded(xs[0].dtype) and any(map(_has_static_scale, xs)):
+        return _align_narrow(*xs)
     if not any(_has_static_scale(x) for x in xs) or all(_has_static_scale(x) for x in xs):
         return align(*xs)
     traced = max_scale([scale_f32(x) for x in xs if not _has_static_scale(x)])
@@ -199,6 +269,22 @@ def align_selection(*xs: Value) -> tuple[list[jax.Array], jax.Array]:
     # initialised at the smallest scale) hold no magnitude: the constants' own scale then.
     own = np.float32(max(float(x.scale) for x in constants))
     scale = lax.select(lax.gt(traced, np.float32(0)), lax.max(traced, np.float32(floor)), own)
+    return align(*xs, scale=scale)
+
+
+def _align_narrow(*xs: Value) -> tuple[list[jax.Array], jax.Array]:
+    """:func:`align_selection` for 8-bit data mixed with constants: the largest traced scale,
+    raised only as far as the constants need to fit below the top of the format
+    (:func:`~jax_scaled.scales.guard.fitting_scale`); ``min(x, 6.0)`` of data far below 6
+    keeps its scale. A format's few binades leave no room for the wider formats' headroom."""
+    static = [_has_static_scale(x) for x in xs]
+    if all(static):
+        return align(*xs)
+    traced = max_scale([scale_f32(x) for x, s in zip(xs, static, strict=True) if not s])
+    own = np.float32(max(float(x.scale) for x, s in zip(xs, static, strict=True) if s))
+    scale = lax.select(lax.gt(traced, np.float32(0)), traced, own)  # see align_selection
+    bound = times_scalar(np.float32(2 * own), scale_reciprocal(scale))  # |mantissa| < 2
+    scale = fitting_scale(bound, scale, xs[0].dtype)
     return align(*xs, scale=scale)
 
 
@@ -268,6 +354,8 @@ def clamp_rule(lo: Value, x: Value, hi: Value, **params) -> ScaledArray:
     bounded = lax.clamp_p.bind(
         wide_data(lo, scale), wide_data(x, scale), wide_data(hi, scale), **params
     )
+    if products_guarded(x.dtype):  # a bound far above x's scale leaves an 8-bit format
+        return guarded(bounded, scale, x.dtype, x, lo, hi)
     return ScaledArray(bounded.astype(x.dtype), make_scale(scale, x, lo, hi))
 
 
@@ -315,7 +403,8 @@ def _root_split(x: ScaledArray, n: int) -> tuple[jax.Array, jax.Array]:
 
 @register_scale_rule(lax.integer_pow_p, properties=Property.ELEMENTWISE)
 def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
-    """Exact: scale s^y, data d^y (in float32, rounded once).
+    """Exact: scale s^y, data d^y (in float32, rounded once; for 8-bit data, its largest
+    datum put at the guard's target: :func:`~jax_scaled.scales.guard.centred`).
 
     Powers magnify any drift of the data from unit scale (data 300 squares to 90000, past
     float16's range). With the range guard (:class:`~jax_scaled.ScalifyConfig`), for
@@ -327,8 +416,10 @@ def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     wide, scale = _wide(x), scale_f32(x)
     if shift is not None:
         wide, scale = shift_into_scale(wide, scale, shift)
-    data = lax.integer_pow(wide, y).astype(x.dtype)
-    return ScaledArray(data, make_scale(lax.integer_pow(scale, y), x))
+    data, scale = lax.integer_pow(wide, y), lax.integer_pow(scale, y)
+    if products_guarded(x.dtype):  # 8-bit: a cube of in-band data can overflow
+        return centred(data, scale, x.dtype, x)
+    return ScaledArray(data.astype(x.dtype), make_scale(scale, x))
 
 
 def _power_guard_exponent(x: ScaledArray, y: int) -> jax.Array | None:

@@ -24,6 +24,7 @@ from jax_scaled.config import current_config
 from jax_scaled.scales.static import (
     EXPONENT_BIAS,
     EXPONENT_FIELD,
+    MIN_SCALE_EXPONENT,
     static_pow2_bits,
     static_pow2_exponent,
 )
@@ -52,7 +53,7 @@ def guard_band(dtype) -> tuple[int, int, int] | None:
     # in a gelu's gradient) cannot overflow. 8-bit data goes into a matmul: use the top of its
     # few bits of range, leaving one binade of headroom.
     if info.bits > 8:
-        target, high = (info.maxexp - 1) // 4, info.maxexp // 2 - 1
+        target, high = centre_exponent(dtype), info.maxexp // 2 - 1
     else:
         target = info.maxexp - 3
         high = max(info.maxexp - 4, target + 1)
@@ -60,16 +61,74 @@ def guard_band(dtype) -> tuple[int, int, int] | None:
     return low, high, target
 
 
-def sums_guarded(dtype) -> bool:
-    """True when ``add`` and ``sub`` into ``dtype`` data get the range guard
-    (``ScalifyConfig.guard_sums``; ``add_any`` and joins have it whenever
-    :func:`guard_band` applies).
+def centre_exponent(dtype) -> int:
+    """The exponent ``t`` of ``2^t``, where the range guard puts the largest datum of a format
+    wider than 8 bits, and :func:`~jax_scaled.quantize.quantize` the largest of a block: a
+    fourth of the format's binades above 1, so that a product of up to four such data fits.
 
     Example:
-        >>> sums_guarded(jnp.float16), sums_guarded(jnp.float32)
-        (False, False)
+        >>> centre_exponent(jnp.float16), centre_exponent(jnp.bfloat16)
+        (3, 31)
     """
-    return current_config().guard_sums and guard_band(dtype) is not None
+    return (jnp.finfo(dtype).maxexp - 1) // 4
+
+
+def top_of_format(dtype) -> bool:
+    """True for floats of 8 bits or fewer: their data may sit at the top of the format
+    (:func:`~jax_scaled.quantize.quantize` maps a block's largest value near the format's, the
+    OCP MX rule), so a pointwise rule cannot count on headroom: a sum or a product of such
+    data can overflow (into NaN for E4M3, which has no infinity).
+
+    Example:
+        >>> top_of_format(jnp.float8_e4m3fn), top_of_format(jnp.float16)
+        (True, False)
+    """
+    return jnp.finfo(dtype).bits <= 8
+
+
+def sums_guarded(dtype) -> bool:
+    """True when ``add`` and ``sub`` into ``dtype`` data get the range guard: 8-bit data
+    (:func:`top_of_format`), and wider data with ``ScalifyConfig.guard_sums`` (``add_any``
+    and joins have it whenever :func:`guard_band` applies).
+
+    Example:
+        >>> sums_guarded(jnp.float16), sums_guarded(jnp.float32), sums_guarded(jnp.float8_e5m2)
+        (False, False, True)
+    """
+    if guard_band(dtype) is None:
+        return False
+    return current_config().guard_sums or top_of_format(dtype)
+
+
+def products_guarded(dtype) -> bool:
+    """True when products, quotients and powers into ``dtype`` data get the range guard:
+    8-bit data (:func:`top_of_format`) with the guard on. Wider data keeps its headroom.
+
+    Example:
+        >>> products_guarded(jnp.float8_e4m3fn), products_guarded(jnp.float16)
+        (True, False)
+    """
+    return top_of_format(dtype) and guard_band(dtype) is not None
+
+
+def fitting_scale(bound: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """``scale``, or a larger power of two where data of magnitude ``bound`` (a float32 0-d,
+    in units of ``scale``) would reach the top binade of ``dtype``: then ``bound`` lands at
+    the guard's target (:func:`guard_band`). Scalar work only, no reduction over data.
+    ``scale`` unchanged when the guard is off.
+
+    Example:
+        >>> float(fitting_scale(jnp.float32(2.0**12), jnp.float32(1.0), jnp.float8_e4m3fn))
+        64.0
+        >>> float(fitting_scale(jnp.float32(3.0), jnp.float32(1.0), jnp.float8_e4m3fn))
+        1.0
+    """
+    band = guard_band(dtype)
+    if band is None:
+        return scale
+    band = (MIN_SCALE_EXPONENT, jnp.finfo(dtype).maxexp - 1, band[2])  # overflow only
+    _, up = guard_factors(jnp.reshape(bound, (1,)), dtype, band=band)
+    return scale_mul(scale, up)
 
 
 # Loop carries with float32 (or wider) data: no rule guards them, and a static estimate that
@@ -206,3 +265,22 @@ def guarded(
     data = lax.convert_element_type(times_scalar(wide, down), dtype)
     return ScaledArray(data, make_scale(scale_mul(scale, up), *like))
 
+
+def centred(wide: jax.Array, scale: jax.Array, dtype, *like: Value) -> ScaledArray:
+    """Like :func:`guarded`, but the largest datum always moves to the guard's target: for
+    8-bit products, quotients and powers (:func:`products_guarded`), whose data has no
+    static estimate worth keeping (a product of data at the top of the format lands 2^8
+    above it, a quotient near 1), and whose few binades cannot spare any below the target.
+
+    Example:
+        >>> x = centred(jnp.array([2.0, 0.5]), jnp.float32(1.0), jnp.float8_e4m3fn)
+        >>> x.data.astype(jnp.float32).tolist(), float(x.scale)
+        ([64.0, 16.0], 0.03125)
+    """
+    band = guard_band(dtype)
+    if band is None or wide.size == 0:
+        return ScaledArray(lax.convert_element_type(wide, dtype), make_scale(scale, *like))
+    target = band[2]
+    down, up = guard_factors(wide, dtype, band=(target, target + 1, target))
+    data = lax.convert_element_type(times_scalar(wide, down), dtype)
+    return ScaledArray(data, make_scale(scale_mul(scale, up), *like))
