@@ -110,3 +110,15 @@ def test_tree_astype_keeps_data_that_fits_bit_identical():
     y = js.tree.astype(x, jnp.float16)
     np.testing.assert_array_equal(np.asarray(y.data), np.asarray(x.data.astype(jnp.float16)))
     assert float(y.scale) == float(x.scale)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_cube_keeps_a_scale_beyond_float32_in_its_data(dtype):
+    """gelu's cube at inputs near 2^43: the scale's cube 2^129 would be inf (and its zeros
+    NaN); the value 2^129 * 0.01^3 is well inside float32."""
+    data = jnp.asarray([0.01, -0.02, 0.0, 0.015], dtype)
+    x = js.ScaledArray(data, jnp.float32(2.0**43))
+    got = js.scalify(lambda t: t**3)(x)
+    want = reference64(lambda t: t**3, x)
+    assert np.all(np.isfinite(value64(got)))
+    assert relative_error(value64(got), want) <= 4 * float(jnp.finfo(dtype).eps)

@@ -416,10 +416,26 @@ def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     wide, scale = _wide(x), scale_f32(x)
     if shift is not None:
         wide, scale = shift_into_scale(wide, scale, shift)
-    data, scale = lax.integer_pow(wide, y), lax.integer_pow(scale, y)
+    data, scale = _power_with_scale_in_range(wide, scale, y)
     if products_guarded(x.dtype):  # 8-bit: a cube of in-band data can overflow
         return centred(data, scale, x.dtype, x)
     return ScaledArray(data.astype(x.dtype), make_scale(scale, x))
+
+
+def _power_with_scale_in_range(
+    wide: jax.Array, scale: jax.Array, y: int
+) -> tuple[jax.Array, jax.Array]:
+    """``(wide^y, scale^y)``; for ``y >= 3`` (a gelu's cube), an exponent of ``scale^y`` beyond
+    float32's normal range stays in the data instead (exact: a power of two), so a value
+    float32 holds (``2^130`` data ``0.01``) does not get an infinite scale, whose zeros would
+    turn into NaN. A square's scale leaves the range only for values near ``2^64``: left as
+    is, its scalar chain costs nothing more in every Adam update."""
+    if y < 3:
+        return lax.integer_pow(wide, y), lax.integer_pow(scale, y)
+    exponent = lax.mul(pow2_exponent(scale), np.int32(y))
+    kept = lax.clamp(np.int32(MIN_SCALE_EXPONENT), exponent, np.int32(126))
+    excess = pow2_from_exponent(lax.sub(exponent, kept))  # clamped: beyond it, float32 overflows
+    return times_scalar(lax.integer_pow(wide, y), excess), pow2_from_exponent(kept, clamp=False)
 
 
 def _power_guard_exponent(x: ScaledArray, y: int) -> jax.Array | None:
