@@ -2,6 +2,8 @@
 gradients, ten updates of each optimizer of the training zoo with default hyperparameters
 (DESIGN.md, invariant 6). The reference is float32 optax on the same float16 gradients."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,3 +68,26 @@ def test_scaled_state_follows_float32_on_real_sizes(name, kind):
     for leaf in js.tree.tree_leaves(state):  # the state stays float16
         if isinstance(leaf, js.ScaledArray) and leaf.ndim == 2:
             assert leaf.dtype == jnp.float16
+
+
+def test_adafactor_on_a_tall_weight_stays_finite():
+    """optax.adafactor(1e-2) with its defaults was non-finite at the first update of a
+    (4096, 16) parameter; its second moment is unfactored there (16 < 128)."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    grads = [jax.random.normal(k, (4096, 16)) * 1e-2 for k in keys]
+    opt = js.optim.scaled_state(optax.adafactor(1e-2))
+    weight = js.tree.astype(js.as_scaled_array(jnp.full((4096, 16), 0.05)), jnp.float16)
+    state = opt.init(js.asarray(weight, jnp.float32))
+    update = jax.jit(js.scalify(opt.update))
+    for g in grads:
+        updates, state = update(js.tree.astype(js.as_scaled_array(g), jnp.float16), state, weight)
+        assert np.all(np.isfinite(js.asarray(updates, jnp.float32)))
+
+
+def test_casting_optax_state_to_float16_warns_and_names_the_leaves():
+    state = optax.adam(1e-3).init({"w": jnp.zeros((64, 512)), "b": jnp.zeros(512)})
+    with pytest.warns(js.tree.OptimizerStateWarning, match=r"\[0\]\.mu\['b'\].*scaled_state"):
+        js.tree.astype(js.as_scaled_array(state), jnp.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", js.tree.OptimizerStateWarning)
+        js.tree.astype(js.as_scaled_array(state), jnp.bfloat16)  # float32's range: no warning
