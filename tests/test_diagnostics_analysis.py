@@ -190,7 +190,7 @@ def test_the_source_listing_survives_unreadable_files():
     assert listing.splitlines() == [
         "/nowhere/model.py",
         "      7  <source not available>",
-        "         mul                  -> +0.0  <- +2.0  [nonfinite=2]",
+        "         mul                  -> +0.0  <- +2.0  [FIRST NON-FINITE, nonfinite=2]",
         "<unknown location>",
         "         add                  -> +0.0",
     ]

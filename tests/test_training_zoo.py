@@ -84,6 +84,9 @@ def test_cli_writes_the_table_and_json(tmp_path: pathlib.Path, capsys):
 def test_verdict_fails_a_nonfinite_or_distant_cell():
     ref = zoo.CellResult("mlp", "adam", "fp32", 2, [2.3, 1.0], 0.9, 0.3, 0.0)
     nan = zoo.CellResult("mlp", "adam", "readme", 2, [2.3, float("nan")], 0.9, 0.3, 0.0)
-    far = zoo.CellResult("mlp", "adam", "readme", 2, [2.3, 1.0], 0.885, 0.3, 0.0)
+    far = zoo.CellResult("mlp", "adam", "readme", 2, [2.3, 1.0], 0.885, 0.35, 0.0)
+    better = zoo.CellResult("mlp", "adam", "readme", 2, [2.3, 1.0], 0.95, 0.35, 0.0)
+    close_loss = zoo.CellResult("mlp", "adam", "readme", 2, [2.3, 1.0], 0.885, 0.302, 0.0)
+    assert zoo.verdict(better, ref).passed and zoo.verdict(close_loss, ref).passed
     assert not zoo.verdict(nan, ref).passed and nan.first_nonfinite_step == 1
     assert not zoo.verdict(far, ref).passed and zoo.verdict(far, ref).finite
