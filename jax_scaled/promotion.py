@@ -119,8 +119,11 @@ def promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) ->
 
     Example:
         >>> from jax_scaled.facts import Slot
+        >>> from jax_scaled.array import engine_builds
         >>> zeros = Slot(jnp.zeros(2), any_scale=True)
-        >>> float(promote(zeros, lambda: np.float32(8.0), jnp.float32).scale)
+        >>> with engine_builds():  # as scalify's rules run it
+        ...     promoted = promote(zeros, lambda: np.float32(8.0), jnp.float32)
+        >>> float(promoted.scale)
         8.0
     """
     value = slot.value
