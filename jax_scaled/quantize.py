@@ -55,7 +55,7 @@ from jax import lax
 from jax_scaled import _jax_internals as jxi
 from jax_scaled._threadlocal import ThreadStack
 from jax_scaled.array import ScaledArray, expand_scale
-from jax_scaled.formats import BlockFormat, storage_dtype
+from jax_scaled.formats import MX_FORMATS, BlockFormat, storage_dtype
 from jax_scaled.primitives import stop_scaling
 from jax_scaled.registry import register_block_rule, register_scale_rule
 from jax_scaled.scales.guard import centre_exponent, top_of_format
@@ -118,7 +118,8 @@ def quantize(
         dtype: the element format (``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``,
             ``jnp.float6_e2m3fn``, ``jnp.float6_e3m2fn``, ``jnp.float4_e2m1fn``, or any
             ml_dtypes float), or a :class:`~jax_scaled.formats.BlockFormat` preset such as
-            ``js.formats.MXFP8_E4M3`` (its blocks lie along ``axis``, default -1).
+            ``js.formats.MXFP8_E4M3`` (its blocks lie along ``axis``, default -1); either
+            may be given by name (``"float8_e4m3fn"``, ``"mxfp8_e4m3"``).
         block_shape: the elements one scale covers, one entry per axis of ``x``, each
             dividing the axis (no padding); ``-1`` spans the whole axis (``(1, -1)``: one
             scale per row). None (default): one 0-d scale for the tensor. Under
@@ -177,6 +178,8 @@ def _resolve(
     scale_rule: str,
     scale_dtype: DTypeLike | None,
 ) -> QuantizeSpec:
+    if isinstance(dtype, str):
+        dtype = _named_format(dtype)
     if isinstance(dtype, BlockFormat):
         if block_shape is not None:
             raise ValueError(f"{dtype.name} sets the block shape: pass axis=, not block_shape=.")
@@ -195,6 +198,21 @@ def _resolve(
         raise ValueError(f"scale_dtype is float32 or float8_e8m0fnu, got {scale_dtype}.")
     blocks = None if block_shape is None else _blocks(shape, block_shape)
     return QuantizeSpec(element, blocks, scale_rule, scale_dtype)
+
+
+def _named_format(name: str) -> BlockFormat | np.dtype:
+    """A preset of js.formats by its name (any case) or a dtype by its numpy name."""
+    presets = {f.name.lower(): f for f in MX_FORMATS}
+    if name.lower() in presets:
+        return presets[name.lower()]
+    try:
+        return np.dtype(name)
+    except TypeError:
+        raise ValueError(
+            f"unknown format {name!r}: pass a preset of js.formats "
+            f"({', '.join(f.name for f in MX_FORMATS)}, by object or name) or a floating "
+            "dtype such as jnp.float8_e4m3fn."
+        ) from None
 
 
 def _blocks(shape: tuple[int, ...], block_shape: Sequence[int]) -> tuple[int, ...]:

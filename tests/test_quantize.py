@@ -344,3 +344,10 @@ def test_quantize_primitive_outside_scalify_rounds_at_scale_one():
     )
     assert out.dtype == jnp.float8_e4m3fn
     assert np.asarray(out, np.float32).tolist() == [0.3125, 448.0]
+
+
+def test_a_format_named_by_a_string_is_a_preset_or_a_clear_error():
+    x = jnp.ones((2, 64))
+    assert js.quantize(x, "mxfp8_e4m3", axis=-1).block_shape == (1, 32)
+    with pytest.raises(ValueError, match="unknown format 'mxfp8'.*MXFP8_E4M3"):
+        js.quantize(x, "mxfp8", axis=-1)
