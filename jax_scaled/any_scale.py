@@ -22,7 +22,14 @@ class AnyScaleValue:
 
 
 class _AnyScale:
-    """The ANY_SCALE marker. Call it on a rule's output to assert it is scale-independent."""
+    """The ANY_SCALE marker. Call it on a rule's output to assert it is scale-independent.
+
+    Example:
+        >>> mask = jnp.where(jnp.arange(4) < 2, 0.0, -jnp.inf)  # the same at any scale
+        >>> out = scalify(lambda x: x + mask)(scaled_array([1.0, 2.0, 3.0, 4.0], 2.0**-20))
+        >>> float(out.scale) == 2.0**-20  # the mask took the other operand's scale
+        True
+    """
 
     def __call__(self, value: Any) -> AnyScaleValue:
         """Mark ``value`` (a plain array of zeros, infinities or NaNs) as scale-independent.

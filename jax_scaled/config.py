@@ -76,5 +76,13 @@ _configs = ThreadStack(lambda: [ScalifyConfig()])
 
 
 def current_config() -> ScalifyConfig:
-    """The innermost active ScalifyConfig (the default one outside any ``with`` block)."""
+    """The innermost active ScalifyConfig (the default one outside any ``with`` block).
+
+    Example:
+        >>> with ScalifyConfig(rounding="up"):
+        ...     current_config().rounding
+        <Rounding.UP: 'up'>
+        >>> current_config().rounding
+        <Rounding.DOWN: 'down'>
+    """
     return _configs.items[-1]

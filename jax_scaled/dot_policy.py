@@ -67,6 +67,13 @@ class ContractionSite:
         out: shape and dtype of the result.
         params: the equation's parameters (``dimension_numbers``, padding, ...).
         source_line: the user's source location, ``file:line (function)``.
+
+    Example:
+        >>> def small_contractions(site):  # an exclude predicate: keep small ones 16-bit
+        ...     return site.rhs.shape[-1] < 16
+        >>> f = dot_formats(lambda x, w: x @ w, exclude=small_contractions)
+        >>> f(jnp.ones((2, 4)), jnp.ones((4, 8))).dtype
+        dtype('float32')
     """
 
     primitive: str

@@ -90,7 +90,17 @@ def constant_slot(value: Any, true_value: float | None = None) -> Slot:
     if np.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.floating):
         constant = float(value) if true_value is None else true_value
         return Slot(value, constant=constant, base=value, estimate=estimates.of_constant(constant))
+    if _is_scale_free_array(value):  # a closed-over mask of 0 and -inf: any scale fits it
+        return Slot(value, any_scale=True)
     return Slot(value)
+
+
+def _is_scale_free_array(value: Any) -> bool:
+    """True for a concrete floating array of zeros, infinities and NaNs only."""
+    if not (hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)):
+        return False
+    values = np.asarray(value, np.float32)
+    return values.size > 0 and bool(np.all((values == 0) | ~np.isfinite(values)))
 
 
 def plain_slot(value: Any) -> Slot:

@@ -122,3 +122,19 @@ def test_cube_keeps_a_scale_beyond_float32_in_its_data(dtype):
     want = reference64(lambda t: t**3, x)
     assert np.all(np.isfinite(value64(got)))
     assert relative_error(value64(got), want) <= 4 * float(jnp.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("under_jit", [False, True])
+def test_a_closed_over_mask_takes_the_other_operands_scale(under_jit):
+    """An attention mask of 0 and -inf built outside the function, at float16 2^-20: it is
+    the same at any scale, so the data stays at unit scale (not flushed towards subnormals
+    by an assumed scale of 1)."""
+    mask = jnp.where(jnp.arange(512) % 3 == 0, 0.0, -jnp.inf).astype(jnp.float16)
+    data = jax.random.normal(jax.random.key(4), (64, 512)).astype(jnp.float16)
+    fn = js.scalify(lambda x: x + mask)
+    fn = jax.jit(fn) if under_jit else fn
+    x = js.scaled_array(data, 2.0**-20)
+    got, want = value64(fn(x)), value64(x) + np.asarray(mask, np.float64)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    kept = np.isfinite(want)
+    assert relative_error(got[kept], want[kept]) <= FLOAT16_EPS

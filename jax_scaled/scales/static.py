@@ -32,6 +32,10 @@ class Rounding(enum.StrEnum):
     """How a positive value is rounded to a power of two.
 
     ``DOWN`` (the default, as the scalify paper recommends), ``UP``, or ``NEAREST`` (in log2).
+
+    Example:
+        >>> [static_pow2_round(3.0, r) for r in (Rounding.DOWN, Rounding.UP, "nearest")]
+        [2.0, 4.0, 4.0]
     """
 
     DOWN = "down"
