@@ -126,9 +126,8 @@ model. *test acc*: accuracy on the 450 test images after the last step, from log
 computed in the mode's own numerics; *delta pp*: minus fp32's, in percentage points;
 *final loss*: the last training batch's loss; *finite*: every step's loss finite (else the
 first non-finite step); *pass*: finite, and delta >= -1 pp or a test loss within 1% of
-fp32's. Modes: `readme` float16
-ScaledArray parameters and inputs, `js.optim.scaled_state(opt)` state,
-`jax.jit(js.scalify(step))`; `raw_fp16_state` the same with plain optax on
+fp32's. Modes: `readme` float16 ScaledArray parameters and inputs,
+`js.optim.scaled_state(opt)` state, `jax.jit(js.scalify(step))`; `raw_fp16_state` the same with plain optax on
 `js.tree.astype(js.as_scaled_array(opt.init(params)), jnp.float16)` (known to fail where a
 per-tensor float16 second moment flushes); `fp8` `readme` with `js.dot_formats(loss)`, E4M3
 forward and E5M2 backward on every contraction but the classifier head (kept 16-bit, as
