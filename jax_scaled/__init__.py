@@ -13,16 +13,16 @@ from jax_scaled import rules as _rules  # noqa: F401  (registers the scale rules
 from jax_scaled.any_scale import ANY_SCALE
 from jax_scaled.array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from jax_scaled.config import ScalifyConfig, current_config
-from jax_scaled.constants import ConstantPrecisionWarning
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dot_policy import ContractionSite, dot_formats, has_operand_shape
-from jax_scaled.interpreter import scalify
+from jax_scaled.engine.constants import ConstantPrecisionWarning
+from jax_scaled.engine.interpreter import scalify
+from jax_scaled.engine.registry import register_scale_rule, registered_primitives
+from jax_scaled.pow2.static import Rounding
+from jax_scaled.pow2.traced import pow2_round, pow2_split
 from jax_scaled.primitives import get_data_and_scale, rebalance, set_scaling, stop_scaling
 from jax_scaled.quantize import quantize
-from jax_scaled.registry import register_scale_rule, registered_primitives
-from jax_scaled.rules.collectives import scaled_shardings
-from jax_scaled.scales.static import Rounding
-from jax_scaled.scales.traced import pow2_round, pow2_split
+from jax_scaled.rules.higher_order.collectives import scaled_shardings
 
 __version__ = "0.1.0"
 

@@ -14,10 +14,10 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled._threadlocal import ThreadStack
+from jax_scaled.context import ThreadStack
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.scales.static import MIN_SCALE_EXPONENT
-from jax_scaled.scales.traced import pow2_round, pow2_split
+from jax_scaled.pow2.static import MIN_SCALE_EXPONENT
+from jax_scaled.pow2.traced import pow2_round, pow2_split
 
 DTypeLike = Any
 
@@ -77,8 +77,8 @@ class ScaledArray:
     ``(1, ..., 1)`` instead (one block per example, stacked to ``(B, 1, ..., 1)``).
 
     Under sharding, a block scale is sharded like its data
-    (:func:`~jax_scaled.rules.collectives.scaled_shardings`), so a shard holds the scales of
-    its own blocks; a sharding that would split a block is refused
+    (:func:`~jax_scaled.rules.higher_order.collectives.scaled_shardings`), so a shard holds
+    the scales of its own blocks; a sharding that would split a block is refused
     (:func:`check_block_sharding`).
 
     Example:

@@ -7,8 +7,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jax_scaled._threadlocal import ThreadStack
-from jax_scaled.scales.static import Rounding
+from jax_scaled.context import ThreadStack
+from jax_scaled.pow2.static import Rounding
 
 _SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e8m0fnu))
 

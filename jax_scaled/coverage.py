@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.registry import (
+from jax_scaled.engine.registry import (
     Property,
     higher_order_primitives,
     record,
@@ -102,7 +102,7 @@ NEVER_FLOAT_OPERANDS: dict[str, str] = {
 @dataclasses.dataclass(frozen=True)
 class PrimitiveCoverage:
     """How scalify handles one primitive: its status, the module or reason behind it, and the
-    properties of its record (:class:`~jax_scaled.registry.Property`)."""
+    properties of its record (:class:`~jax_scaled.engine.registry.Property`)."""
 
     name: str
     status: str
@@ -112,7 +112,8 @@ class PrimitiveCoverage:
 
 
 def block_behaviour(primitive: jxi.Primitive) -> str:
-    """What ``primitive``'s rule does with block-scaled operands (:mod:`jax_scaled.blocks`).
+    """What ``primitive``'s rule does with block-scaled operands
+    (:mod:`jax_scaled.engine.block_dispatch`).
 
     Example:
         >>> from jax import lax
@@ -210,11 +211,15 @@ def own_primitives() -> list[PrimitiveCoverage]:
     lax_names = set(jxi.all_lax_primitives())
     return [
         PrimitiveCoverage(
-            r.primitive.name, RULE, r.module, record_properties(r.primitive),
+            r.primitive.name,
+            RULE,
+            r.module,
+            record_properties(r.primitive),
             block_behaviour(r.primitive),
         )  # fmt: skip
         for r in records()
-        if r.rule is not None and r.primitive.name not in lax_names
+        if r.rule is not None
+        and r.primitive.name not in lax_names
         and (r.module or "").startswith("jax_scaled.")
     ]
 
@@ -253,9 +258,9 @@ def _header(lax: Sequence[PrimitiveCoverage]) -> list[str]:
         "derivatives) or falls back to one scale per tensor (recorded and warned; loops, "
         "`cond` and `shard_map` too).",
         "- **record properties**: what the interpreter may assume about the primitive "
-        "besides its rule (`jax_scaled.registry.Property`), and whether its record says how a "
-        "static magnitude estimate propagates (estimate) or how a trace-time constant folds "
-        "(fold) through it.",
+        "besides its rule (`jax_scaled.engine.registry.Property`), and whether its record "
+        "says how a static magnitude estimate propagates (estimate) or how a trace-time "
+        "constant folds (fold) through it.",
         "- **rule**: a scale rule (in the module named) runs when an input is a ScaledArray.",
         "- **interpreted**: a higher-order primitive: scalify interprets its sub-jaxprs and "
         "re-binds it.",

@@ -26,10 +26,10 @@ import jax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.facts import Slot
-from jax_scaled.interpreter import rule_output_slots
-from jax_scaled.promotion import promote_inputs
-from jax_scaled.registry import register_higher_order_rule
+from jax_scaled.engine.facts import Slot
+from jax_scaled.engine.interpreter import rule_output_slots
+from jax_scaled.engine.promotion import promote_inputs
+from jax_scaled.engine.registry import register_higher_order_rule
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

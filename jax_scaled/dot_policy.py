@@ -185,9 +185,7 @@ def dot_formats(
     """
     if block is not None and not isinstance(block, BlockRecipe):
         raise TypeError(f"dot_formats: block takes a js.nn.BlockRecipe (js.nn.MXFP8): {block!r}")
-    policy = _Policy(
-        _format(lhs), _format(rhs), _format(grad), _predicate(exclude), scaling, block
-    )
+    policy = _Policy(_format(lhs), _format(rhs), _format(grad), _predicate(exclude), scaling, block)
 
     @functools.wraps(fn)
     def with_formats(*args, **kwargs):

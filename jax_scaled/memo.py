@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled._threadlocal import ThreadStack
+from jax_scaled.context import ThreadStack
 
 T = TypeVar("T")
 

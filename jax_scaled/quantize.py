@@ -53,20 +53,20 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled._threadlocal import ThreadStack
 from jax_scaled.array import ScaledArray, expand_scale
+from jax_scaled.context import ThreadStack
+from jax_scaled.engine.registry import register_block_rule, register_scale_rule
 from jax_scaled.formats import MX_FORMATS, BlockFormat, storage_dtype
-from jax_scaled.primitives import stop_scaling
-from jax_scaled.registry import register_block_rule, register_scale_rule
-from jax_scaled.scales.guard import centre_exponent, top_of_format
-from jax_scaled.scales.static import EXPONENT_BIAS, MANTISSA_BITS
-from jax_scaled.scales.traced import (
+from jax_scaled.pow2.static import EXPONENT_BIAS, MANTISSA_BITS
+from jax_scaled.pow2.traced import (
     biased_exponent,
     pow2_exponent,
     pow2_from_exponent,
     pow2_ratio,
     pow2_split,
 )
+from jax_scaled.primitives import stop_scaling
+from jax_scaled.scales.guard import centre_exponent, top_of_format
 
 DTypeLike = Any
 ScaleRule = Literal["floor", "rceil"]

@@ -19,7 +19,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 import jax_scaled as js
-from jax_scaled.scales.static import is_pow2
+from jax_scaled.pow2.static import is_pow2
 
 FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 MIN_EXP, MAX_EXP = -40, 40

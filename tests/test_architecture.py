@@ -16,7 +16,7 @@ from helpers import assert_close, reference64
 
 import jax_scaled as js
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.registry import Property, record
+from jax_scaled.engine.registry import Property, record
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jax_scaled"
@@ -117,7 +117,7 @@ def test_no_private_name_is_imported_from_another_module():
 
 
 def test_the_interpreter_is_small():
-    assert len(MODULES["jax_scaled.interpreter"].read_text().splitlines()) < 300
+    assert len(MODULES["jax_scaled.engine.interpreter"].read_text().splitlines()) < 300
 
 
 def _string_collections(tree: ast.AST):

@@ -46,9 +46,10 @@ def expected_products(x, w, g, recipe):
     """The three matmuls from js.quantize alone, each along its own contracting axis."""
     b = recipe.x_block
     y = dequantized(x, recipe.x, (1, b), recipe) @ dequantized(w, recipe.w, recipe.w_block, recipe)
-    dx = dequantized(g, recipe.grad, (1, b), recipe) @ dequantized(
-        w, recipe.w, recipe.w_block[::-1], recipe
-    ).T
+    dx = (
+        dequantized(g, recipe.grad, (1, b), recipe)
+        @ dequantized(w, recipe.w, recipe.w_block[::-1], recipe).T
+    )
     dw = dequantized(x, recipe.x, (b, 1), recipe).T @ dequantized(g, recipe.grad, (b, 1), recipe)
     return y, dx, dw
 

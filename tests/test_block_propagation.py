@@ -21,7 +21,7 @@ from jax import lax
 
 import jax_scaled as js
 from jax_scaled.array import expand_scale
-from jax_scaled.blocks import BlockScaleFallbackWarning
+from jax_scaled.engine.block_dispatch import BlockScaleFallbackWarning
 
 few = settings(max_examples=6, deadline=None)
 DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
@@ -57,22 +57,37 @@ LAYOUT = {
     "pad_zero_blocks": (lambda x: jnp.pad(x, ((1, 2), (32, 0))), (8, 64), (1, 32), (1, 32)),
     "concatenate": (lambda x: jnp.concatenate([x, -x], axis=1), (8, 64), (1, 32), (1, 32)),
     "dynamic_slice_rows": (
-        lambda x: lax.dynamic_slice_in_dim(x, jnp.int32(3), 2, axis=0), (8, 64), (1, 32), (1, 32)
+        lambda x: lax.dynamic_slice_in_dim(x, jnp.int32(3), 2, axis=0),
+        (8, 64),
+        (1, 32),
+        (1, 32),
     ),
     "gather_rows": (lambda x: x[jnp.array([[1, 7], [3, 3]])], (8, 64), (1, 32), (1, 1, 32)),
     "gather_rows_out_of_bounds_fill": (
-        lambda x: jnp.take(x, jnp.array([2, 11, -1]), axis=0, mode="fill"), (8, 64), (1, 32),
+        lambda x: jnp.take(x, jnp.array([2, 11, -1]), axis=0, mode="fill"),
+        (8, 64),
+        (1, 32),
         (1, 32),
     ),
     "gather_index_vector_in_axis_order_1_0": (
         lambda x: lax.gather(
-            x, jnp.array([[40, 1], [5, 7], [63, 0]]), lax.GatherDimensionNumbers(
-                offset_dims=(), collapsed_slice_dims=(0, 1), start_index_map=(1, 0)),
-            slice_sizes=(1, 1), mode="promise_in_bounds",
-        ), (8, 64), (1, 64), (1,),
+            x,
+            jnp.array([[40, 1], [5, 7], [63, 0]]),
+            lax.GatherDimensionNumbers(
+                offset_dims=(), collapsed_slice_dims=(0, 1), start_index_map=(1, 0)
+            ),
+            slice_sizes=(1, 1),
+            mode="promise_in_bounds",
+        ),
+        (8, 64),
+        (1, 64),
+        (1,),
     ),  # fmt: skip
     "gather_within_one_block": (
-        lambda x: jnp.take(x, jnp.array([5, 0, 63]), axis=1), (8, 64), (4, 64), (4, 1)
+        lambda x: jnp.take(x, jnp.array([5, 0, 63]), axis=1),
+        (8, 64),
+        (4, 64),
+        (4, 1),
     ),
 }
 
@@ -255,7 +270,7 @@ LEAVING_BLOCKS = {  # each leaves its E8M0 blocks for one scale per tensor
 }
 
 
-@pytest.mark.filterwarnings("ignore::jax_scaled.blocks.BlockScaleFallbackWarning")
+@pytest.mark.filterwarnings("ignore::jax_scaled.engine.block_dispatch.BlockScaleFallbackWarning")
 @pytest.mark.parametrize("name", sorted(LEAVING_BLOCKS))
 def test_per_tensor_results_of_e8m0_blocks_have_float32_scales(name):
     """E8M0 stores block scales; a value that leaves its blocks gets the per-tensor default

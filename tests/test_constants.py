@@ -3,7 +3,7 @@
 JAX gives a Python number the dtype of the array it meets while it traces: in a float16
 program ``1e-8`` becomes ``0.0`` and ``1e5`` becomes ``inf``. scalify traces the function a
 second time on float32 inputs and takes those constants' values from there
-(:mod:`jax_scaled.constants`). These tests check the values against a float64 reference of
+(:mod:`jax_scaled.engine.constants`). These tests check the values against a float64 reference of
 the program as written, at random power-of-two input scales, in every narrow float format.
 """
 
@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_scaled as js
-from jax_scaled import constants
+from jax_scaled.engine import constants
 
 # bfloat16 has float32's exponent range: no constant that float32 holds is rounded away there.
 NARROW = [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2]

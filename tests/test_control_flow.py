@@ -15,7 +15,7 @@ from helpers import assert_close, assert_pow2_scales, check_e8m0_matches, refere
 from jax import lax
 
 import jax_scaled as js
-from jax_scaled.rules import control_flow
+from jax_scaled.rules.higher_order import control_flow
 
 RTOL = 1e-5
 EXPONENTS = [-20, 20]

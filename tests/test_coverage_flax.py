@@ -235,10 +235,13 @@ ILL_CONDITIONED = {
 }
 # Looser tolerances, with the reason.
 TOLERANCES = {
-    ("linen", "scan_remat", 2.0**20): (16 * FLOAT16_EPS, "the first tanh saturates to +-1, "
-    "the next layers' pre-activations are O(1): 1 - tanh^2 in their gradient comes from "
-    "float16's tanh, to 2^-11 absolute, tens of percent where tanh is near +-1 (measured "
-    "5e-3 to 1e-2, while float32 is within 1e-7 of float64)"),
+    ("linen", "scan_remat", 2.0**20): (
+        16 * FLOAT16_EPS,
+        "the first tanh saturates to +-1, "
+        "the next layers' pre-activations are O(1): 1 - tanh^2 in their gradient comes from "
+        "float16's tanh, to 2^-11 absolute, tens of percent where tanh is near +-1 (measured "
+        "5e-3 to 1e-2, while float32 is within 1e-7 of float64)",
+    ),
 }
 
 

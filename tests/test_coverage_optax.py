@@ -4,7 +4,7 @@ The optimizers are enumerated from ``dir(optax)`` and ``dir(optax.contrib)`` (ev
 taking a ``learning_rate`` and returning a GradientTransformation), so a new optax optimizer
 is tested, or must be excluded here with a reason. Each is built with its **default
 hyperparameters** (optax's ``eps=1e-8`` included: float16 rounds it to 0 when JAX traces the
-program, and scalify recovers it, see :mod:`jax_scaled.constants`). Each case runs two
+program, and scalify recovers it, see :mod:`jax_scaled.engine.constants`). Each case runs two
 update steps from ``init`` in one ``jax.jit(js.scalify(...))`` with params, grads and
 optimizer state as ScaledArrays:
 

@@ -14,9 +14,9 @@ from hypothesis.extra import numpy as hnp
 from jax import lax
 
 import jax_scaled as js
-from jax_scaled.fusion import bundle_scales
+from jax_scaled.engine.fusion import bundle_scales
+from jax_scaled.pow2.xla import largest_magnitude
 from jax_scaled.scales.guard import guard_band, guard_factors, largest_biased_exponent
-from jax_scaled.scales.xla import largest_magnitude
 
 
 def sgd_step(params, x):

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_scaled as js
-from jax_scaled.rules.collectives import scaled_shardings
+from jax_scaled.rules.higher_order.collectives import scaled_shardings
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices: XLA_FLAGS set by the root conftest.py"

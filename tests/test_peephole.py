@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import jax_scaled as js
-from jax_scaled.peephole import transposed_contractions
+from jax_scaled.engine.peephole import transposed_contractions
 
 few = settings(max_examples=max(3, settings.default.max_examples // 3))
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_scaled.scales.static import is_pow2, static_pow2_round
-from jax_scaled.scales.traced import (
+from jax_scaled.pow2.static import is_pow2, static_pow2_round
+from jax_scaled.pow2.traced import (
     pow2_reciprocal,
     pow2_round,
     pow2_round_positive,

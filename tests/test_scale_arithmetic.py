@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from jax import lax
 
 import jax_scaled as js
-from jax_scaled import facts, promotion
 from jax_scaled.array import engine_builds
 from jax_scaled.config import current_config
+from jax_scaled.engine import facts, promotion
 from jax_scaled.memo import memo_size, memoized, scale_memo
-from jax_scaled.scales.static import static_pow2_split
-from jax_scaled.scales.traced import floor_divide_exponent, pow2_from_exponent, pow2_ratio
+from jax_scaled.pow2.static import static_pow2_split
+from jax_scaled.pow2.traced import floor_divide_exponent, pow2_from_exponent, pow2_ratio
 from jax_scaled.scales.values import (
     from_compute,
     round_scale,

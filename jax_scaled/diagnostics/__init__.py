@@ -26,7 +26,7 @@ from jax_scaled.diagnostics.check import ScalingEntry, ScalingReport, check_scal
 from jax_scaled.diagnostics.export import to_dataframe, to_rows
 from jax_scaled.diagnostics.listing import format_records
 from jax_scaled.diagnostics.plot import plot
-from jax_scaled.recording import (
+from jax_scaled.engine.recording import (
     ScaleRecord,
     SourceLocation,
     first_nonfinite,

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_scaled.array import ScaledArray
-from jax_scaled.interpreter import scalify
-from jax_scaled.recording import ScaleRecord, record_scales, worst
+from jax_scaled.engine.interpreter import scalify
+from jax_scaled.engine.recording import ScaleRecord, record_scales, worst
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +223,7 @@ class _Arguments:
 
 def _forward_and_backward(args: _Arguments, inputs: list, cotangents: list) -> tuple[list, list]:
     """The outputs and the pullback of ``cotangents``, both traced inside scalify."""
+
     def outputs_and_grads(inputs: list, fixed: list, cotangents: list) -> tuple:
         outputs, pullback = jax.vjp(lambda xs: args.floating_outputs(xs, fixed), inputs)
         return outputs, pullback(cotangents)[0]

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from jax_scaled.recording import ScaleRecord
+from jax_scaled.engine.recording import ScaleRecord
 
 
 def to_rows(records: Sequence[ScaleRecord]) -> list[dict[str, Any]]:

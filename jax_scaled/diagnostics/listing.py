@@ -6,7 +6,7 @@ import linecache
 import math
 from collections.abc import Sequence
 
-from jax_scaled.recording import ScaleRecord, first_nonfinite
+from jax_scaled.engine.recording import ScaleRecord, first_nonfinite
 
 _FIRST = "FIRST NON-FINITE"
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jax_scaled.recording import ScaleRecord
+from jax_scaled.engine.recording import ScaleRecord
 
 METRICS = ("rms", "max_abs")
 DEFAULT_FORMATS = ("float16", "float8_e4m3fn", "float8_e5m2")

@@ -39,9 +39,9 @@ from jax import lax
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.registry import Property, record
-from jax_scaled.scales.static import static_pow2_exponent, static_pow2_round
-from jax_scaled.scales.traced import pow2_exponent, pow2_from_exponent
+from jax_scaled.engine.registry import Property, record
+from jax_scaled.pow2.static import static_pow2_exponent, static_pow2_round
+from jax_scaled.pow2.traced import pow2_exponent, pow2_from_exponent
 
 DTypeLike = Any
 F32 = jnp.dtype(jnp.float32)

@@ -41,8 +41,8 @@ from jax import lax
 from jax_scaled.array import ScaledArray
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dtypes import compute_dtype
+from jax_scaled.pow2.static import is_static
 from jax_scaled.scales.guard import guard_band, guard_factors
-from jax_scaled.scales.static import is_static
 from jax_scaled.scales.values import (
     as_scaled,
     from_compute,

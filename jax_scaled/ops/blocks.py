@@ -13,8 +13,8 @@ from typing import Any
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.blocks import per_tensor
-from jax_scaled.registry import register_block_rule, register_scale_rule
+from jax_scaled.engine.block_dispatch import per_tensor
+from jax_scaled.engine.registry import register_block_rule, register_scale_rule
 
 
 def merge_blocks(x: Any) -> Any:

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import ml_dtypes
 
 from jax_scaled.array import ScaledArray
+from jax_scaled.pow2.traced import pow2_round
 from jax_scaled.primitives import get_data_and_scale, set_scaling
-from jax_scaled.scales.traced import pow2_round
 
 AMAX_COMPUTE = ("max", "most_recent")
 

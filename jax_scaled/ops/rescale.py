@@ -34,12 +34,11 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.registry import register_scale_rule
-from jax_scaled.scales.traced import pow2_round, pow2_round_positive
+from jax_scaled.engine.registry import register_scale_rule
+from jax_scaled.pow2.traced import pow2_round, pow2_round_positive
 from jax_scaled.scales.values import make_scale, rescale, scale_f32
 
 NORMS = ("l1", "l2", "max")
-
 
 
 def dynamic_rescale_l1(x: jax.Array) -> jax.Array:

@@ -15,11 +15,11 @@ import jax.numpy as jnp
 from jax_scaled import _jax_internals as jxi
 from jax_scaled import ops
 from jax_scaled.array import ScaledArray, as_scaled_array
-from jax_scaled.interpreter import scalify
+from jax_scaled.engine.interpreter import scalify
+from jax_scaled.engine.registry import register_scale_rule
 from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.ops.rescale import dynamic_rescale_rule
 from jax_scaled.quantize import quantize
-from jax_scaled.registry import register_scale_rule
 from jax_scaled.rules.casts import float_dtype, saturate
 from jax_scaled.scales.values import as_scaled
 from jax_scaled.tree import tree_leaves, tree_map
@@ -77,7 +77,6 @@ def rescaled(x: jax.Array, rescale: str | None) -> jax.Array:
 
 
 # -- promote_plain: a plain array gets a scale from its statistics ----------------------------
-
 
 
 def promote_plain(x: jax.Array) -> jax.Array:

@@ -78,7 +78,7 @@ def scaled_state(
         compute_dtype: the data dtype the inner update computes in (default float32, as a
             fused kernel would in registers; only storage is narrow), or ``None`` to compute in
             the stored dtype, as plain optax on a cast state does (optax's constants, such
-            as Adam's ``eps=1e-8``, keep their values: see :mod:`jax_scaled.constants`).
+            as Adam's ``eps=1e-8``, keep their values: see :mod:`jax_scaled.engine.constants`).
         scale_dtype: dtype of the state's scales: float32 (default) or ``jnp.float8_e8m0fnu``.
         block_size: elements per scale along each state leaf's last axis (32, the MX block
             size, by default: a float32 scale costs 1/16 of float16 data's memory, an E8M0

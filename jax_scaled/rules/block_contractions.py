@@ -44,7 +44,7 @@ import numpy as np
 from jax import lax
 
 from jax_scaled.array import ScaledArray, expand_scale
-from jax_scaled.registry import register_block_rule
+from jax_scaled.engine.registry import register_block_rule
 from jax_scaled.rules.linalg import bind_contraction
 from jax_scaled.scales import blocks as geometry
 from jax_scaled.scales.guard import guard_factors

@@ -6,7 +6,7 @@ squeeze, slice and pad at block boundaries, concatenate, rev, dynamic_slice and 
 unblocked axes). Reductions keep the blocks along the axes they do not reduce: the reduced axes are
 first widened to one block (the largest block scale, the data shifted to it), then the
 per-tensor rule runs on every remaining block. An operand these rules cannot keep in blocks
-(:class:`~jax_scaled.blocks.Unsupported`) falls back to one scale per tensor.
+(:class:`~jax_scaled.engine.block_dispatch.Unsupported`) falls back to one scale per tensor.
 
 Example:
     >>> x = ScaledArray(jnp.ones((2, 64)), jnp.array([[1.0, 2.0], [4.0, 8.0]], jnp.float32))
@@ -25,8 +25,8 @@ import numpy as np
 from jax import lax
 
 from jax_scaled.array import ScaledArray
-from jax_scaled.blocks import Unsupported, coarsened, map_blocks
-from jax_scaled.registry import record, register_block_rule
+from jax_scaled.engine.block_dispatch import Unsupported, coarsened, map_blocks
+from jax_scaled.engine.registry import record, register_block_rule
 from jax_scaled.scales import blocks as geometry
 from jax_scaled.scales.values import as_scaled
 
@@ -72,9 +72,7 @@ def broadcast_in_dim_block_rule(
 
 
 @register_block_rule(lax.slice_p)
-def slice_block_rule(
-    x: ScaledArray, *, start_indices, limit_indices, strides=None
-) -> ScaledArray:
+def slice_block_rule(x: ScaledArray, *, start_indices, limit_indices, strides=None) -> ScaledArray:
     """A slice at block boundaries: the scales of the blocks it keeps."""
     blocks = x.block_shape
     if strides is not None and any(s != 1 for s in strides):

@@ -19,10 +19,9 @@ from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.registry import Property, register_scale_rule
+from jax_scaled.engine.registry import Property, register_scale_rule
 
 DTypeLike = jnp.dtype | type
-
 
 
 def saturate(x: jax.Array, dtype: DTypeLike) -> jax.Array:

@@ -25,7 +25,7 @@ import jax
 from jax import lax
 
 from jax_scaled.array import ScaledArray
-from jax_scaled.registry import register_scale_rule
+from jax_scaled.engine.registry import register_scale_rule
 from jax_scaled.scales.values import Value, scale_f32, to_compute
 
 

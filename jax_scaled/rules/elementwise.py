@@ -10,12 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_scaled import estimates
 from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.facts import converted_fact
-from jax_scaled.registry import Property, declare, register_scale_rule
+from jax_scaled.engine import estimates
+from jax_scaled.engine.facts import converted_fact
+from jax_scaled.engine.registry import Property, declare, register_scale_rule
+from jax_scaled.pow2.static import EXPONENT_BIAS, MIN_SCALE_EXPONENT, is_static
+from jax_scaled.pow2.traced import (
+    floor_divide_exponent,
+    pow2_exponent,
+    pow2_from_exponent,
+)
+from jax_scaled.pow2.xla import float_division
 from jax_scaled.scales.guard import (
     centred,
     fitting_scale,
@@ -26,12 +33,6 @@ from jax_scaled.scales.guard import (
     shift_into_scale,
     sums_guarded,
     top_of_format,
-)
-from jax_scaled.scales.static import EXPONENT_BIAS, MIN_SCALE_EXPONENT, is_static
-from jax_scaled.scales.traced import (
-    floor_divide_exponent,
-    pow2_exponent,
-    pow2_from_exponent,
 )
 from jax_scaled.scales.values import (
     Value,
@@ -49,7 +50,6 @@ from jax_scaled.scales.values import (
     to_compute,
     wide_data,
 )
-from jax_scaled.scales.xla import float_division
 
 
 def _add_or_sub(x, y, op, guard: bool) -> ScaledArray:
@@ -65,7 +65,7 @@ def _add_or_sub(x, y, op, guard: bool) -> ScaledArray:
     return ScaledArray(wide.astype(x.dtype), make_scale(scale, x, y))
 
 
-# Property sets of this module's records (jax_scaled.registry.Property).
+# Property sets of this module's records (jax_scaled.engine.registry.Property).
 _SUM = Property.ELEMENTWISE | Property.ANY_SCALE_PRESERVING | Property.ADDING
 _PRODUCT = Property.ELEMENTWISE | Property.ABSORBING | Property.MULTIPLICATIVE
 _SELECTION = Property.ANY_SCALE_PRESERVING | Property.SELECTING

@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_scaled import estimates
 from jax_scaled._jax_internals import lax_primitives
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.registry import Property, register_scale_rule
-from jax_scaled.scales.static import static_pow2_round
+from jax_scaled.engine import estimates
+from jax_scaled.engine.registry import Property, register_scale_rule
+from jax_scaled.pow2.static import static_pow2_round
 from jax_scaled.scales.values import (
     Value,
     align,

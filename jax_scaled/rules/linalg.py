@@ -15,10 +15,10 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled import estimates
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.registry import Property, register_scale_rule
+from jax_scaled.engine import estimates
+from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.scales.guard import guard_band, guarded
 from jax_scaled.scales.values import Value, as_scaled, make_scale, scale_f32, scale_mul, sqrt_pow2
 

@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_scaled import estimates
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.facts import summed_fact
-from jax_scaled.registry import Property, register_scale_rule
+from jax_scaled.engine import estimates
+from jax_scaled.engine.facts import summed_fact
+from jax_scaled.engine.registry import Property, register_scale_rule
+from jax_scaled.pow2.static import MAX_SCALE_EXPONENT, MIN_SCALE_EXPONENT
+from jax_scaled.pow2.traced import pow2_exponent, pow2_from_exponent
 from jax_scaled.scales.guard import guarded
-from jax_scaled.scales.static import MAX_SCALE_EXPONENT, MIN_SCALE_EXPONENT
-from jax_scaled.scales.traced import pow2_exponent, pow2_from_exponent
 from jax_scaled.scales.values import (
     from_compute,
     make_scale,

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_scaled import estimates
 from jax_scaled._jax_internals import Primitive, optimization_barrier_p, split_p
 from jax_scaled.array import ScaledArray
-from jax_scaled.registry import Property, register_scale_rule
+from jax_scaled.engine import estimates
+from jax_scaled.engine.registry import Property, register_scale_rule
+from jax_scaled.pow2.static import is_static
 from jax_scaled.rules.elementwise import align_selection
 from jax_scaled.scales.guard import guard_band, guarded
-from jax_scaled.scales.static import is_static
 from jax_scaled.scales.values import (
     Value,
     align,

@@ -37,7 +37,7 @@ from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.registry import Property, register_scale_rule
+from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.scales.guard import guarded
 from jax_scaled.scales.values import Value, as_scaled, to_compute
 

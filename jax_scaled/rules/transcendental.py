@@ -30,12 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_scaled import estimates
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.registry import Property, declare, register_scale_rule
-from jax_scaled.scales.static import is_static, static_pow2_round
-from jax_scaled.scales.traced import pow2_exponent, pow2_reciprocal
+from jax_scaled.engine import estimates
+from jax_scaled.engine.registry import Property, declare, register_scale_rule
+from jax_scaled.pow2.static import is_static, static_pow2_round
+from jax_scaled.pow2.traced import pow2_exponent, pow2_reciprocal
+from jax_scaled.pow2.xla import traced_one
 from jax_scaled.scales.values import (
     as_scaled,
     from_compute,
@@ -45,7 +46,6 @@ from jax_scaled.scales.values import (
     to_compute,
     wide_data,
 )
-from jax_scaled.scales.xla import traced_one
 
 Value = Any  # jax.Array | ScaledArray
 ScaleEstimate = Callable[[jax.Array], jax.Array]
@@ -56,7 +56,7 @@ _LN2_LO = math.log(2.0) - _LN2_HI
 
 
 def _unit(s: jax.Array) -> jax.Array:
-    return traced_one(s)  # not a static 1: see jax_scaled.scales.xla
+    return traced_one(s)  # not a static 1: see jax_scaled.pow2.xla
 
 
 def _linear(s: jax.Array) -> jax.Array:

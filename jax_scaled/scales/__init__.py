@@ -1,26 +1,110 @@
-"""The scale-math library: power-of-two arithmetic for scale rules, ``nn``, ``ops`` and ``optim``.
+"""Scale math on ScaledArrays, for scale rules, ``nn``, ``ops`` and ``optim``.
 
-Every scale jax_scaled produces is an exact power of two in ``[2^-126, 2^127]``: the normal
-range of float32, which is also inside E8M0 (``float8_e8m0fnu``). Staying in that range keeps
-scales exact on backends that flush float32 subnormals (XLA's CPU backend does), and makes the
-float32 and E8M0 scale dtypes agree bit for bit. The library has one module per layer:
+* :mod:`~jax_scaled.scales.values`: align operands to a common scale, rescale data exactly,
+  round an estimate and cast it to the scale dtype;
+* :mod:`~jax_scaled.scales.guard`: the range guard of narrow data;
+* :mod:`~jax_scaled.scales.blocks`: the geometry of block scales (grids, block-major layout).
 
-* :mod:`jax_scaled.scales.static`: trace-time power-of-two arithmetic (Python and numpy): a
-  static scale costs nothing in the compiled program;
-* :mod:`jax_scaled.scales.traced`: the same on traced float32 scales, with ``lax`` operations
-  on exponent fields; exact splits, ratios and reciprocals, roundings to a power of two;
-* :mod:`jax_scaled.scales.values`: arithmetic on ScaledArrays for scale rules (align operands
-  to a common scale, rescale data exactly, round an estimate and cast it to the scale dtype);
-* :mod:`jax_scaled.scales.guard`: the range guard of narrow data;
-* :mod:`jax_scaled.scales.xla`: the few XLA-specific choices, with the measurements behind
-  them.
-
-Import from the module that holds a name (``from jax_scaled.scales.values import align``):
-this package imports none of them, so that :mod:`jax_scaled.array` can use the power-of-two
-modules without a cycle.
+It sits above :class:`~jax_scaled.ScaledArray` and the power-of-two arithmetic of
+:mod:`jax_scaled.pow2`, and re-exports the names of its modules.
 
 Example:
-    >>> from jax_scaled.scales.static import static_pow2_split
-    >>> static_pow2_split(-6.0)
-    (-1.5, 4.0)
+    >>> import jax.numpy as jnp
+    >>> from jax_scaled import scaled_array
+    >>> from jax_scaled.scales import align
+    >>> (a, b), scale = align(scaled_array(jnp.ones(2), 4.0), scaled_array(jnp.ones(2), 1.0))
+    >>> float(scale), b.tolist()
+    (4.0, [0.25, 0.25])
 """
+
+from jax_scaled.scales.blocks import (
+    common_blocks,
+    from_block_major,
+    grid,
+    is_blocked,
+    scale_on_grid,
+    split_at_largest,
+    to_block_major,
+)
+from jax_scaled.scales.guard import (
+    WIDE_CARRY_BAND,
+    carry_band,
+    centre_exponent,
+    centred,
+    fitting_scale,
+    guard_band,
+    guard_factors,
+    guarded,
+    largest_biased_exponent,
+    products_guarded,
+    recentred_carry,
+    shift_into_scale,
+    sums_guarded,
+    top_of_format,
+)
+from jax_scaled.scales.values import (
+    align,
+    as_scaled,
+    from_compute,
+    make_scale,
+    max_scale,
+    min_scale,
+    out_scale_dtype,
+    per_tensor_scale,
+    ratio_to_pow2,
+    rescale,
+    round_scale,
+    rounded_l2_scale,
+    safe_ratio,
+    scale_f32,
+    scale_mul,
+    scale_reciprocal,
+    sqrt_pow2,
+    times_scalar,
+    to_compute,
+    wide_data,
+)
+
+__all__ = [
+    "WIDE_CARRY_BAND",
+    "align",
+    "as_scaled",
+    "carry_band",
+    "centre_exponent",
+    "centred",
+    "common_blocks",
+    "fitting_scale",
+    "from_block_major",
+    "from_compute",
+    "grid",
+    "guard_band",
+    "guard_factors",
+    "guarded",
+    "is_blocked",
+    "largest_biased_exponent",
+    "make_scale",
+    "max_scale",
+    "min_scale",
+    "out_scale_dtype",
+    "per_tensor_scale",
+    "products_guarded",
+    "ratio_to_pow2",
+    "recentred_carry",
+    "rescale",
+    "round_scale",
+    "rounded_l2_scale",
+    "safe_ratio",
+    "scale_f32",
+    "scale_mul",
+    "scale_on_grid",
+    "scale_reciprocal",
+    "shift_into_scale",
+    "split_at_largest",
+    "sqrt_pow2",
+    "sums_guarded",
+    "times_scalar",
+    "to_block_major",
+    "to_compute",
+    "top_of_format",
+    "wide_data",
+]

@@ -21,16 +21,16 @@ from jax import lax
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
-from jax_scaled.scales.static import (
+from jax_scaled.pow2.static import (
     EXPONENT_BIAS,
     EXPONENT_FIELD,
     MIN_SCALE_EXPONENT,
     static_pow2_bits,
     static_pow2_exponent,
 )
-from jax_scaled.scales.traced import biased_exponent, pow2_from_exponent
+from jax_scaled.pow2.traced import biased_exponent, pow2_from_exponent
+from jax_scaled.pow2.xla import largest_magnitude
 from jax_scaled.scales.values import Value, make_scale, scale_f32, scale_mul, times_scalar
-from jax_scaled.scales.xla import largest_magnitude
 
 
 def guard_band(dtype) -> tuple[int, int, int] | None:

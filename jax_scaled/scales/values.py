@@ -31,20 +31,20 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.memo import memoized
-from jax_scaled.scales.static import (
+from jax_scaled.pow2.static import (
     MAX_SCALE_EXPONENT,
     MIN_SCALE_EXPONENT,
     Rounding,
     is_static,
     static_pow2_round,
 )
-from jax_scaled.scales.traced import (
+from jax_scaled.pow2.traced import (
     as_float32,
     pow2_reciprocal,
     pow2_round_positive,
     pow2_round_sqrt,
 )
-from jax_scaled.scales.xla import scale_barrier
+from jax_scaled.pow2.xla import scale_barrier
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -98,7 +98,7 @@ def round_scale(scale: jax.Array) -> jax.Array:
 def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
     """Cast a float32 power-of-two ``scale`` to the scale dtype of the inputs ``like``.
 
-    A traced scale goes through :func:`~jax_scaled.scales.xla.scale_barrier`.
+    A traced scale goes through :func:`~jax_scaled.pow2.xla.scale_barrier`.
     A static scale (numpy, see :func:`is_static`) stays a numpy value: no staged constant,
     and rules that read it can fold it at trace time.
     """
@@ -191,7 +191,7 @@ def ratio_to_pow2(scale: jax.Array, target: jax.Array) -> jax.Array:
 
 
 def scale_reciprocal(scale: jax.Array) -> jax.Array:
-    """``1 / scale`` of a power-of-two scale (:func:`~jax_scaled.scales.traced.pow2_reciprocal`),
+    """``1 / scale`` of a power-of-two scale (:func:`~jax_scaled.pow2.traced.pow2_reciprocal`),
     computed once per traced scale within a scalified call (:mod:`jax_scaled.memo`).
 
     Example:
@@ -294,5 +294,3 @@ def wide_data(x: Value, scale: jax.Array, *, pow2_target: bool = False) -> jax.A
 # ---------------------------------------------------------------------------------------
 # Range guard for narrow data (ScalifyConfig.guard)
 # ---------------------------------------------------------------------------------------
-
-

@@ -23,9 +23,9 @@ import numpy as np
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.facts import Slot, constant_slot, with_static_facts
-from jax_scaled.interpreter import interpret_closed
-from jax_scaled.registry import HigherOrderRule, Property, register_higher_order_rule
+from jax_scaled.engine.facts import Slot, constant_slot, with_static_facts
+from jax_scaled.engine.interpreter import interpret_closed
+from jax_scaled.engine.registry import HigherOrderRule, Property, register_higher_order_rule
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -60,9 +60,7 @@ def linear_solve_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     return interpret_closed(eqn.params["jaxprs"].solve, [*solve_consts, *b])
 
 
-@register_higher_order_rule(
-    jxi.jit_p, properties=Property.FACTS_INSIDE | Property.BLOCKS_INSIDE
-)
+@register_higher_order_rule(jxi.jit_p, properties=Property.FACTS_INSIDE | Property.BLOCKS_INSIDE)
 def jit_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     """Re-bind a nested ``jit`` through ``jax.jit``, keeping its name, donation and shardings;
     the trace-time facts of its operands reach its body, and its outputs' facts come back."""

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from jax_scaled.config import current_config
-from jax_scaled.scales.static import static_pow2_round
+from jax_scaled.pow2.static import static_pow2_round
 
 Estimate = float | None
 EstimateRule = Callable[..., Estimate]  # rule(estimates, *, shapes, **params) -> estimate
@@ -39,8 +39,8 @@ def _known(estimates: Sequence[Estimate]) -> list[float]:
     return [1.0 if e is None else e for e in estimates]
 
 
-# Estimate rules, named in the primitive records (jax_scaled.registry): each takes the inputs'
-# estimates, their shapes and the primitive's params, and returns the output's estimate.
+# Estimate rules, named in the primitive records (jax_scaled.engine.registry): each takes
+# the inputs' estimates, their shapes and the primitive's params, and returns the output's estimate.
 
 
 def first(estimates, **params) -> Estimate:

@@ -15,8 +15,8 @@ without trouble (a float16 mantissa times ``2^-27``), so scalify recovers such c
    to the same narrow value, records that number as the literal's true value.
 
 The interpreter then gives such a literal its true value as a static fact: where it meets a
-ScaledArray it is promoted exactly (see :mod:`jax_scaled.promotion`), and folded constants
-and casts keep it (see :mod:`jax_scaled.interpreter`). A suspicious literal that cannot be
+ScaledArray it is promoted exactly (see :mod:`jax_scaled.engine.promotion`), and folded constants
+and casts keep it (see :mod:`jax_scaled.engine.interpreter`). A suspicious literal that cannot be
 matched triggers one :class:`ConstantPrecisionWarning` naming it and its source line.
 """
 
@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled._threadlocal import ThreadStack
+from jax_scaled.context import ThreadStack
 from jax_scaled.dtypes import is_narrow_float
 
 

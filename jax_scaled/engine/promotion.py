@@ -1,6 +1,6 @@
 """Promotion: plain values that meet a ScaledArray become ScaledArrays, exactly.
 
-The interpreter knows some plain values statically (see :class:`~jax_scaled.facts.Slot`):
+The interpreter knows some plain values statically (see :class:`~jax_scaled.engine.facts.Slot`):
 a trace-time constant, a broadcast of a 0-d value, a magnitude estimate, or a value that is
 the same at any scale (zeros, infinities, NaNs). When such a value is an operand of a scale
 rule, it is split into data and a power-of-two scale without rounding: a constant by its
@@ -21,15 +21,15 @@ from jax import lax
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.facts import Slot
+from jax_scaled.engine.facts import Slot
 from jax_scaled.memo import memoized
-from jax_scaled.scales.static import (
+from jax_scaled.pow2.static import (
     EXPONENT_FIELD,
     MIN_SCALE_EXPONENT,
     static_pow2_bits,
     static_pow2_split,
 )
-from jax_scaled.scales.traced import as_float32, pow2_exponent, pow2_from_exponent
+from jax_scaled.pow2.traced import as_float32, pow2_exponent, pow2_from_exponent
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -51,7 +51,7 @@ def promote_inputs(in_slots: list[Slot], multiplicative: bool = False) -> list[V
     underflow. Elsewhere it takes the other operands' scale.
 
     Example:
-        >>> from jax_scaled.facts import Slot
+        >>> from jax_scaled.engine.facts import Slot
         >>> x = scaled_array([1.0, 2.0], 4.0)
         >>> _, two = promote_inputs([Slot(x), Slot(np.float32(6.0), constant=6.0)], True)
         >>> float(two.data), float(two.scale)
@@ -118,7 +118,7 @@ def promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) ->
     scale for values that are the same at any scale (zeros, infinities, NaNs).
 
     Example:
-        >>> from jax_scaled.facts import Slot
+        >>> from jax_scaled.engine.facts import Slot
         >>> from jax_scaled.array import engine_builds
         >>> zeros = Slot(jnp.zeros(2), any_scale=True)
         >>> with engine_builds():  # as scalify's rules run it

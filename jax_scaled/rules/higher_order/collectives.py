@@ -37,10 +37,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray, check_block_sharding
-from jax_scaled.facts import Slot, plain_slot
-from jax_scaled.interpreter import interpret_jaxpr
-from jax_scaled.registry import register_higher_order_rule, register_scale_rule
-from jax_scaled.scales.static import MIN_SCALE_EXPONENT
+from jax_scaled.engine.facts import Slot, plain_slot
+from jax_scaled.engine.interpreter import interpret_jaxpr
+from jax_scaled.engine.registry import register_higher_order_rule, register_scale_rule
+from jax_scaled.pow2.static import MIN_SCALE_EXPONENT
 from jax_scaled.scales.values import make_scale, rescale, safe_ratio, scale_f32, sqrt_pow2
 
 # ---------------------------------------------------------------------------------------

@@ -3,11 +3,11 @@
 Each value of an interpreted jaxpr travels in a :class:`Slot`: the value itself (a plain
 array or a ScaledArray) and what is known about it at trace time: the constant it is a
 broadcast of, the 0-d array it broadcasts, a power-of-two estimate of its magnitude
-(:mod:`jax_scaled.estimates`) and whether it is the same at any scale (:data:`ANY_SCALE`).
+(:mod:`jax_scaled.engine.estimates`) and whether it is the same at any scale (:data:`ANY_SCALE`).
 An equation with no scaled operand is bound as it is (:func:`forwarded`), and its outputs'
 facts are derived from its operands' by the properties of its primitive's record
-(:mod:`jax_scaled.registry`). Where a plain value with facts meets a ScaledArray, the facts
-make it one (:mod:`jax_scaled.promotion`).
+(:mod:`jax_scaled.engine.registry`). Where a plain value with facts meets a ScaledArray, the facts
+make it one (:mod:`jax_scaled.engine.promotion`).
 
 Example:
     >>> slot = constant_slot(np.float32(0.5))
@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled import constants, estimates
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.registry import Property, record
+from jax_scaled.engine import constants, estimates
+from jax_scaled.engine.registry import Property, record
 
 Value = Any  # jax.Array | ScaledArray
 
@@ -42,7 +42,7 @@ class Slot:
     ``constant`` is the Python value of a broadcast scalar known at trace time (a literal,
     a folded constant). ``base`` is the 0-d array the value is a broadcast of, when known.
     ``estimate`` is a static power-of-two estimate of a plain value's magnitude (see
-    :mod:`jax_scaled.estimates`), used to scale it if it meets a ScaledArray.
+    :mod:`jax_scaled.engine.estimates`), used to scale it if it meets a ScaledArray.
     ``any_scale`` says the value does not depend on its scale (:data:`ANY_SCALE`: zeros,
     infinities, NaNs and selections among them), so it takes the scale of what it meets.
     ``rows`` holds, for the stacked output of a ``scan`` whose rows have scales of their own,
@@ -79,7 +79,7 @@ class Slot:
 
 def constant_slot(value: Any, true_value: float | None = None) -> Slot:
     """The slot of a trace-time constant; ``true_value`` is the number the source wrote when
-    the narrow trace rounded it away (see :mod:`jax_scaled.constants`).
+    the narrow trace rounded it away (see :mod:`jax_scaled.engine.constants`).
 
     Example:
         >>> constant_slot(np.float16(0.0), true_value=1e-8).constant

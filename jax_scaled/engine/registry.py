@@ -4,8 +4,8 @@ A :class:`PrimitiveRecord` holds a primitive's scale rule (or, for a primitive w
 sub-jaxprs, its higher-order rule), whether the rule also runs on plain operands, the
 properties the interpreter's plain-value facts and the promotion of plain operands rely on
 (:class:`Property`), how a static magnitude estimate propagates through it
-(:mod:`jax_scaled.estimates`) and how a trace-time constant folds through it
-(:mod:`jax_scaled.facts`). Records are keyed by primitive object. A rule module registers
+(:mod:`jax_scaled.engine.estimates`) and how a trace-time constant folds through it
+(:mod:`jax_scaled.engine.facts`). Records are keyed by primitive object. A rule module registers
 its primitives with :func:`register_scale_rule` or :func:`register_higher_order_rule`;
 families share a table and a loop.
 
@@ -26,7 +26,7 @@ from jax_scaled._jax_internals import Primitive
 ScaleRule = Callable[..., object]  # rule(*values, **params) -> outputs
 HigherOrderRule = Callable[..., list]  # rule(eqn, in_slots) -> out_slots
 EstimateRule = Callable[..., float | None]  # rule(estimates, *, shapes, **params) -> estimate
-FactRule = Callable[..., object]  # rule(eqn, in_slots, out) -> Slot (see jax_scaled.facts)
+FactRule = Callable[..., object]  # rule(eqn, in_slots, out) -> Slot (see jax_scaled.engine.facts)
 
 
 class Property(enum.Flag):
@@ -48,7 +48,7 @@ class Property(enum.Flag):
       they carry facts, so that facts its body derives reach its outputs.
     * ``POINTWISE``: each output element is a function of the same element of the operands
       (arithmetic, selections, activations, casts): on block-scaled operands its per-tensor
-      rule runs on every block (:mod:`jax_scaled.blocks`).
+      rule runs on every block (:mod:`jax_scaled.engine.block_dispatch`).
     * ``BLOCKS_INSIDE``: a higher-order primitive whose body receives block-scaled operands
       as they are (calls: ``jit``, custom derivatives, ``checkpoint``). Other higher-order
       primitives (loops, ``cond``, ``shard_map``) get them at one scale per tensor.
@@ -75,7 +75,7 @@ class PrimitiveRecord:
     ``fold`` computes the primitive on trace-time scalar constants, exactly as XLA would
     (numpy for the correctly rounded operations); ``facts`` replaces the generic fact
     propagation of a forwarded equation (``reduce_sum`` of a broadcast scalar, casts).
-    ``block_rule`` handles block-scaled operands (:mod:`jax_scaled.blocks`), and
+    ``block_rule`` handles block-scaled operands (:mod:`jax_scaled.engine.block_dispatch`), and
     ``block_behaviour`` says what it does with the blocks: ``"keeps"`` or ``"consumes"``.
     """
 
@@ -180,7 +180,7 @@ def register_higher_order_rule(
 ) -> Callable[[HigherOrderRule], HigherOrderRule]:
     """Register a rule ``(eqn, in_slots) -> out_slots`` for a primitive with sub-jaxprs
     (``jit``, ``scan``, ...), which interprets them with
-    :func:`jax_scaled.interpreter.interpret_closed`.
+    :func:`jax_scaled.engine.interpreter.interpret_closed`.
 
     Example:
         >>> from jax_scaled import _jax_internals as jxi
@@ -239,7 +239,7 @@ def higher_order_primitives() -> dict[str, str]:
 
     Example:
         >>> higher_order_primitives()["scan"]
-        'jax_scaled.rules.control_flow'
+        'jax_scaled.rules.higher_order.control_flow'
     """
     rules = [r for r in _RECORDS.values() if r.higher_order is not None]
     return {r.primitive.name: r.higher_order.__module__ for r in sorted(rules, key=_name)}

@@ -1,14 +1,14 @@
 """The scalify transform: trace a function to a jaxpr and re-run it on ScaledArrays.
 
-Each value of the jaxpr travels in a :class:`~jax_scaled.facts.Slot`: the value itself (a
+Each value of the jaxpr travels in a :class:`~jax_scaled.engine.facts.Slot`: the value itself (a
 plain array or a ScaledArray) and what is statically known about it. An equation whose
-inputs are all plain is bound untouched (its outputs' facts follow :mod:`jax_scaled.facts`);
+inputs are all plain is bound untouched (its outputs' facts follow :mod:`jax_scaled.engine.facts`);
 a higher-order equation (``jit``, ``scan``, ...) goes to its higher-order rule, which
 interprets its sub-jaxprs with :func:`interpret_closed`; any other equation with a scaled
 input goes to its scale rule, after plain operands known statically are promoted to
-ScaledArrays (:mod:`jax_scaled.promotion`). Both kinds of rule live in the primitive's record
-(:mod:`jax_scaled.registry`). A scaled ``dot_general`` whose only use is a transpose of its
-result is bound as one swapped contraction (:mod:`jax_scaled.peephole`).
+ScaledArrays (:mod:`jax_scaled.engine.promotion`). Both kinds of rule live in the primitive's record
+(:mod:`jax_scaled.engine.registry`). A scaled ``dot_general`` whose only use is a transpose of its
+result is bound as one swapped contraction (:mod:`jax_scaled.engine.peephole`).
 
 The public API for higher-order rules: :func:`interpret_closed`, :func:`interpret_jaxpr`,
 :func:`rule_output_slots` and :func:`source_line`.
@@ -24,19 +24,19 @@ from typing import Any
 import jax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled import blocks, constants, recording
-from jax_scaled._threadlocal import ThreadStack
 from jax_scaled.any_scale import AnyScaleValue
 from jax_scaled.array import ScaledArray, engine_builds, is_array_like
 from jax_scaled.config import ScalifyConfig
+from jax_scaled.context import ThreadStack
 from jax_scaled.dtypes import compute_dtype, is_narrow_float
-from jax_scaled.facts import Slot, constant_slot, forwarded
-from jax_scaled.fusion import bundle_scales
+from jax_scaled.engine import block_dispatch, constants, recording
+from jax_scaled.engine.facts import Slot, constant_slot, forwarded
+from jax_scaled.engine.fusion import bundle_scales
+from jax_scaled.engine.peephole import transposed_contractions
+from jax_scaled.engine.promotion import normalized_scalar, normalizes, promote_inputs
+from jax_scaled.engine.registry import Property, record
 from jax_scaled.memo import scale_memo
-from jax_scaled.peephole import transposed_contractions
-from jax_scaled.promotion import normalized_scalar, normalizes, promote_inputs
 from jax_scaled.quantize import tracing_for_scalify
-from jax_scaled.registry import Property, record
 from jax_scaled.scales.blocks import is_blocked
 
 Value = Any  # jax.Array | ScaledArray
@@ -187,7 +187,7 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
             return _forward(eqn, in_slots)
     if found.higher_order is not None:
         if not found.has(Property.BLOCKS_INSIDE) and any(is_blocked(s.value) for s in in_slots):
-            in_slots = blocks.per_tensor_slots(eqn, in_slots, source_line(eqn))
+            in_slots = block_dispatch.per_tensor_slots(eqn, in_slots, source_line(eqn))
         with _enclosing(eqn), jxi.eqn_user_context(eqn):
             return found.higher_order(eqn, in_slots)
     if found.rule is None:
@@ -200,7 +200,7 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     with jxi.eqn_user_context(eqn):
         fell_back = False
         if any(is_blocked(v) for v in invals):
-            outs, fell_back = blocks.apply_rule(found, eqn, invals, source_line(eqn))
+            outs, fell_back = block_dispatch.apply_rule(found, eqn, invals, source_line(eqn))
         else:
             outs = found.rule(*invals, **eqn.params)
     return rule_output_slots(eqn, outs, fell_back)
@@ -209,7 +209,7 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
 def rule_output_slots(eqn: jxi.JaxprEqn, outs: Any, block_fallback: bool = False) -> list[Slot]:
     """Slots of a rule's outputs (checked against the equation's avals); outputs wrapped
     with ``ANY_SCALE(x)`` become scale-free, and a one-element zero takes the smallest scale
-    (:func:`~jax_scaled.promotion.normalized_scalar`). Inside
+    (:func:`~jax_scaled.engine.promotion.normalized_scalar`). Inside
     :func:`~jax_scaled.diagnostics.record_scales` the outputs are recorded (marked when
     block-scaled operands fell back to one scale)."""
     outs = list(outs) if eqn.primitive.multiple_results else [outs]

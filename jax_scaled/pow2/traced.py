@@ -3,7 +3,7 @@
 Scale rules run these on every traced scale of a scalified program, so they are written with
 ``lax`` operations only (a ``jax.numpy`` operator costs a nested trace) and, where it keeps
 the compiled program lean, with integer operations on the float32 bits instead of float
-arithmetic (:mod:`jax_scaled.scales.xla` says why). Each function states its exactness: the
+arithmetic (:mod:`jax_scaled.pow2.xla` says why). Each function states its exactness: the
 splits and ratios are exact for powers of two in ``[2^-126, 2^127]``; the roundings return
 such a power of two.
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_scaled.scales.static import (
+from jax_scaled.pow2.static import (
     EXPONENT_BIAS,
     EXPONENT_FIELD,
     MANTISSA_BITS,
@@ -155,8 +155,6 @@ def pow2_round(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
     return _select(finite_nonzero, scale, 1)
 
 
-
-
 def _select(condition: jnp.ndarray, on_true, on_false) -> jnp.ndarray:
     """``jnp.where(condition, on_true, on_false)`` as one ``select_n``, with no nested ``jit``
     to trace and lower (these helpers run for every scale of a scalified program)."""
@@ -206,8 +204,6 @@ def _exact_divide_by_pow2(x: jnp.ndarray, scale: jnp.ndarray) -> jnp.ndarray:
     below_normal = lax.div(np.float32(2.0**-126), scale)
     from_subnormal = lax.mul(lax.mul(sign, integer_mantissa), np.float32(2.0**-23) * below_normal)
     return _select(is_subnormal, from_subnormal, lax.div(x, scale))
-
-
 
 
 _ROUNDING_OFFSET = {
@@ -303,4 +299,3 @@ def pow2_round_sqrt(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Array:
         exponent = lax.add(exponent, np.int32(1))
     half = lax.shift_right_arithmetic(exponent, np.int32(1))
     return pow2_from_exponent(half)
-

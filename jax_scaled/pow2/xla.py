@@ -8,7 +8,7 @@ measured with ``benchmarks/compile_breakdown.py`` and ``benchmarks/trace_speed.p
 these helpers where the choice matters.
 
 * **Integer operations on exponent fields instead of float division**
-  (:func:`~jax_scaled.scales.traced.pow2_ratio`, ``pow2_reciprocal``): XLA fuses integer
+  (:func:`~jax_scaled.pow2.traced.pow2_ratio`, ``pow2_reciprocal``): XLA fuses integer
   and bit operations into the kernels that read them, while a float division of traced
   scalars is compiled as a kernel of its own, once for every promoted operand.
 * **Except where a float division cuts a chain** (:func:`float_division`): XLA copies a
@@ -39,8 +39,8 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.scales.static import is_static
-from jax_scaled.scales.traced import as_float32
+from jax_scaled.pow2.static import is_static
+from jax_scaled.pow2.traced import as_float32
 
 
 def float_division(numerator: Any, denominator: Any) -> Any:
@@ -105,6 +105,3 @@ def largest_magnitude(wide: jax.Array) -> jax.Array:
 
 def _max_and_min(a: tuple, b: tuple) -> tuple:
     return lax.max(a[0], b[0]), lax.min(a[1], b[1])
-
-
-

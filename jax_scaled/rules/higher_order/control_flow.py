@@ -47,13 +47,13 @@ from jax import lax
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
-from jax_scaled.facts import Slot, plain_slot, rebound
-from jax_scaled.interpreter import interpret_closed, interpret_jaxpr
-from jax_scaled.promotion import promote
-from jax_scaled.registry import Property, register_higher_order_rule
+from jax_scaled.engine.facts import Slot, plain_slot, rebound
+from jax_scaled.engine.interpreter import interpret_closed, interpret_jaxpr
+from jax_scaled.engine.promotion import promote
+from jax_scaled.engine.registry import Property, register_higher_order_rule
+from jax_scaled.pow2.static import MIN_SCALE_EXPONENT, is_static
+from jax_scaled.pow2.traced import pow2_ratio
 from jax_scaled.scales.guard import recentred_carry
-from jax_scaled.scales.static import MIN_SCALE_EXPONENT, is_static
-from jax_scaled.scales.traced import pow2_ratio
 from jax_scaled.scales.values import rescale
 
 Value = Any  # jax.Array | ScaledArray
@@ -201,6 +201,7 @@ def _conform_carries(carry_in: Sequence[Value], out: Sequence[Slot], token: obje
 # ---------------------------------------------------------------------------------------
 # scan
 # ---------------------------------------------------------------------------------------
+
 
 @register_higher_order_rule(jxi.scan_p)
 def _scan_rule(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:

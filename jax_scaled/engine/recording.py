@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_scaled._threadlocal import ThreadStack
 from jax_scaled.array import ScaledArray
+from jax_scaled.context import ThreadStack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,8 @@ class ScaleRecord:
     counts the NaNs among the non-finite ones. ``where`` is
     the JAX name stack: ``transpose(jvp(...))`` marks the backward pass. For block scales,
     ``scale`` is the largest block scale. ``block_fallback`` marks an equation without a
-    block-scale rule whose block-scaled operands fell back to one scale (:mod:`jax_scaled.blocks`).
+    block-scale rule whose block-scaled operands fell back to one scale
+    (:mod:`jax_scaled.engine.block_dispatch`).
 
     Example:
         >>> r = ScaleRecord(0, "mul", "f.py:3:4 (f)", "", (4,), "float16", 0.25, 2.0, 1.0, 0, 0, 0)
@@ -113,7 +114,7 @@ class SourceLocation:
     (e.g. ``<unknown location>``).
 
     Example:
-        >>> from jax_scaled.recording import SourceLocation
+        >>> from jax_scaled.engine.recording import SourceLocation
         >>> SourceLocation.parse("/src/model.py:12:8 (mlp)")
         SourceLocation(file='/src/model.py', line=12, function='mlp')
     """

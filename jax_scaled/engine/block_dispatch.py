@@ -30,10 +30,10 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled import recording
 from jax_scaled.array import ScaledArray
-from jax_scaled.facts import Slot
-from jax_scaled.registry import PrimitiveRecord, Property
+from jax_scaled.engine import recording
+from jax_scaled.engine.facts import Slot
+from jax_scaled.engine.registry import PrimitiveRecord, Property
 from jax_scaled.scales import blocks as geometry
 from jax_scaled.scales.blocks import is_blocked
 from jax_scaled.scales.values import make_scale, per_tensor_scale, rescale, scale_f32
@@ -80,7 +80,7 @@ def map_blocks(
 
     Example:
         >>> from jax import lax
-        >>> from jax_scaled.registry import record
+        >>> from jax_scaled.engine.registry import record
         >>> x = ScaledArray(jnp.ones((2, 4)), jnp.array([[1.0], [4.0]], jnp.float32))
         >>> out = map_blocks(record(lax.mul_p).rule, [x, x], {}, False)
         >>> out.scale.tolist(), out.data.tolist()[1]

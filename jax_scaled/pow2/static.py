@@ -43,8 +43,6 @@ class Rounding(enum.StrEnum):
     NEAREST = "nearest"
 
 
-
-
 def is_static(x: Any) -> bool:
     """True for a trace-time constant (a numpy value or Python number), as rules produce
     for scales known without tracing (``scale 1`` of ``exp``, a constant operand's).
