@@ -12,14 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.context import ThreadStack
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.pow2.static import MIN_SCALE_EXPONENT
 from jax_scaled.pow2.traced import pow2_round, pow2_split
-
-DTypeLike = Any
 
 
 def is_array_like(x: Any) -> bool:
@@ -183,6 +182,10 @@ class ScaledArray:
 
     def __repr__(self) -> str:
         return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"
+
+
+# An operand as scale rules see it: scaled, or plain (a scale of 1).
+Value = jax.Array | ScaledArray
 
 
 def _check_data(data: Any) -> None:

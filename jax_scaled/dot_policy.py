@@ -33,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
+from jax_scaled.dtypes import float_dtype
 from jax_scaled.nn.block_linear import BlockRecipe, block_linear, untiled_axes
 from jax_scaled.nn.cast_contraction import (
     SCALINGS,
@@ -43,9 +45,7 @@ from jax_scaled.nn.cast_contraction import (
     accumulation_dtype,
     cast_contraction,
 )
-from jax_scaled.rules.casts import float_dtype
 
-DTypeLike = Any
 Shape = tuple[int, ...]
 _CONTRACTIONS = (lax.dot_general_p, lax.conv_general_dilated_p)
 

@@ -1,4 +1,5 @@
-"""Float formats: which are narrower than float32, and the dtype to compute them in.
+"""Float formats: checked dtypes, which are narrower than float32, and the dtype to compute
+them in.
 
 ``jnp.promote_types(float8, float32)`` raises in JAX (8-bit floats take no implicit
 promotion), so the library widens with :func:`compute_dtype` instead.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 
 def is_narrow_float(dtype: Any) -> bool:
@@ -32,3 +34,16 @@ def compute_dtype(dtype: Any) -> Any:
     if is_narrow_float(dtype):
         return jnp.dtype(jnp.float32)
     return jnp.dtype(dtype) if jnp.issubdtype(dtype, jnp.number) else dtype
+
+
+def float_dtype(dtype: DTypeLike) -> jnp.dtype:
+    """``dtype`` as a numpy dtype, checked to be a floating-point format.
+
+    Example:
+        >>> float_dtype(jnp.float8_e5m2)
+        dtype(float8_e5m2)
+    """
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"expected a floating-point format, got {dtype}.")
+    return dtype

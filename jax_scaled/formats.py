@@ -32,13 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-
-DTypeLike = Any
+from jax.typing import DTypeLike
 
 # XLA (JAX 0.10) cannot hold these element formats; their values live in a wider float8.
 _CONTAINERS = {

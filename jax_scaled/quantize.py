@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray, expand_scale
@@ -68,7 +69,6 @@ from jax_scaled.pow2.traced import (
 from jax_scaled.primitives import stop_scaling
 from jax_scaled.scales.guard import centre_exponent, top_of_format
 
-DTypeLike = Any
 ScaleRule = Literal["floor", "rceil"]
 
 _SCALE_RULES = ("floor", "rceil")

@@ -30,15 +30,13 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.engine import recording
 from jax_scaled.engine.facts import Slot
 from jax_scaled.engine.registry import PrimitiveRecord, Property
 from jax_scaled.scales import blocks as geometry
 from jax_scaled.scales.blocks import is_blocked
 from jax_scaled.scales.values import make_scale, per_tensor_scale, rescale, scale_f32
-
-Value = Any  # jax.Array | ScaledArray
 
 
 class Unsupported(Exception):

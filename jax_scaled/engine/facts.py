@@ -27,12 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine import constants, estimates
 from jax_scaled.engine.registry import Property, record
-
-Value = Any  # jax.Array | ScaledArray
 
 
 @dataclasses.dataclass(frozen=True)

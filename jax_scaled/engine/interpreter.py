@@ -25,7 +25,7 @@ import jax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.any_scale import AnyScaleValue
-from jax_scaled.array import ScaledArray, engine_builds, is_array_like
+from jax_scaled.array import ScaledArray, Value, engine_builds, is_array_like
 from jax_scaled.config import ScalifyConfig
 from jax_scaled.context import ThreadStack
 from jax_scaled.dtypes import compute_dtype, is_narrow_float
@@ -38,8 +38,6 @@ from jax_scaled.engine.registry import Property, record
 from jax_scaled.memo import scale_memo
 from jax_scaled.quantize import tracing_for_scalify
 from jax_scaled.scales.blocks import is_blocked
-
-Value = Any  # jax.Array | ScaledArray
 
 
 def scalify(fn: Callable, *, config: ScalifyConfig | None = None) -> Callable:

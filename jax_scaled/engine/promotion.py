@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.config import current_config
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine.facts import Slot
@@ -30,8 +30,6 @@ from jax_scaled.pow2.static import (
     static_pow2_split,
 )
 from jax_scaled.pow2.traced import as_float32, pow2_exponent, pow2_from_exponent
-
-Value = Any  # jax.Array | ScaledArray
 
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 

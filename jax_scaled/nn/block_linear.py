@@ -53,12 +53,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.quantize import quantize
 
-DTypeLike = Any
 F32 = jnp.dtype(jnp.float32)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.custom_scale import custom_scale
@@ -43,7 +44,6 @@ from jax_scaled.engine.registry import Property, record
 from jax_scaled.pow2.static import static_pow2_exponent, static_pow2_round
 from jax_scaled.pow2.traced import pow2_exponent, pow2_from_exponent
 
-DTypeLike = Any
 F32 = jnp.dtype(jnp.float32)
 SCALINGS = ("none", "current")
 

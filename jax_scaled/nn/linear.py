@@ -22,18 +22,17 @@ the same layer then stays accurate at any magnitude.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from jax_scaled.nn.block_linear import BlockRecipe, block_linear
 from jax_scaled.nn.cast_contraction import CastFormats, Contraction, cast_contraction
 from jax_scaled.ops.casts import reduce_precision_on_backward
 from jax_scaled.ops.stochastic import RoundingMode, check_rounding
-
-DTypeLike = Any
 
 
 def linear(

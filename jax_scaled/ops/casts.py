@@ -60,10 +60,11 @@ import functools
 
 import jax
 from jax import lax
+from jax.typing import DTypeLike
 
+from jax_scaled.dtypes import float_dtype
 from jax_scaled.ops.stochastic import RoundingMode, check_rounding, stochastic_round
 from jax_scaled.rules import casts as cast_rules
-from jax_scaled.rules.casts import DTypeLike, float_dtype
 
 
 def cast_on_forward(

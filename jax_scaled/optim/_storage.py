@@ -11,20 +11,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled import ops
 from jax_scaled.array import ScaledArray, as_scaled_array
+from jax_scaled.dtypes import float_dtype
 from jax_scaled.engine.interpreter import scalify
 from jax_scaled.engine.registry import register_scale_rule
 from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.ops.rescale import dynamic_rescale_rule
 from jax_scaled.quantize import quantize
-from jax_scaled.rules.casts import float_dtype, saturate
+from jax_scaled.rules.casts import saturate
 from jax_scaled.scales.values import as_scaled
 from jax_scaled.tree import tree_leaves, tree_map
-
-DTypeLike = Any
 
 # The update functions of scaled_state transformations (to refuse wrapping them in a cond).
 SCALED_STATE_UPDATES: weakref.WeakSet = weakref.WeakSet()

@@ -7,16 +7,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
+from jax_scaled.dtypes import float_dtype
 from jax_scaled.optim._storage import (
-    DTypeLike,
     call_scaled,
     check_rescale,
     like_reference,
     rescaled,
     to_storage,
 )
-from jax_scaled.rules.casts import float_dtype, saturate
+from jax_scaled.rules.casts import saturate
 
 
 def as_master(

@@ -7,11 +7,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 from jax_scaled.array import ScaledArray
+from jax_scaled.dtypes import float_dtype
 from jax_scaled.optim._storage import (
     SCALED_STATE_UPDATES,
-    DTypeLike,
     call_scaled,
     check_rescale,
     is_float,
@@ -23,7 +24,6 @@ from jax_scaled.optim._storage import (
     to_storage,
     wider_dtype,
 )
-from jax_scaled.rules.casts import float_dtype
 from jax_scaled.tree import tree_leaves, tree_map
 
 

@@ -36,14 +36,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_scaled.array import ScaledArray, expand_scale
+from jax_scaled.array import ScaledArray, Value, expand_scale
 from jax_scaled.engine.registry import register_block_rule
 from jax_scaled.rules.linalg import bind_contraction
 from jax_scaled.scales import blocks as geometry
@@ -55,8 +54,6 @@ from jax_scaled.scales.values import (
     scale_f32,
     sqrt_pow2,
 )
-
-Value = Any  # jax.Array | ScaledArray
 
 
 @register_block_rule(lax.dot_general_p, behaviour="consumes")

@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 from jax import lax
+from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
+from jax_scaled.dtypes import float_dtype
 from jax_scaled.engine.registry import Property, register_scale_rule
-
-DTypeLike = jnp.dtype | type
 
 
 def saturate(x: jax.Array, dtype: DTypeLike) -> jax.Array:
@@ -38,20 +38,6 @@ def saturate(x: jax.Array, dtype: DTypeLike) -> jax.Array:
         Array([ 448., -448.,    3.], dtype=float32)
     """
     return saturate_p.bind(x, dtype=float_dtype(dtype))
-
-
-def float_dtype(dtype: DTypeLike) -> jnp.dtype:
-    """``dtype`` as a numpy dtype, checked to be a floating-point format.
-
-    Example:
-        >>> from jax_scaled.rules.casts import float_dtype
-        >>> float_dtype(jnp.float8_e5m2)
-        dtype(float8_e5m2)
-    """
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"expected a floating-point format, got {dtype}.")
-    return dtype
 
 
 def _finite_max(dtype: jnp.dtype) -> float:

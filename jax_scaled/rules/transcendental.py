@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine import estimates
 from jax_scaled.engine.registry import Property, declare, register_scale_rule
@@ -47,7 +46,6 @@ from jax_scaled.scales.values import (
     wide_data,
 )
 
-Value = Any  # jax.Array | ScaledArray
 ScaleEstimate = Callable[[jax.Array], jax.Array]
 
 # ln 2 = _LN2_HI + _LN2_LO with _LN2_HI exact in 16 bits, so n * _LN2_HI is exact for |n| < 2^8.

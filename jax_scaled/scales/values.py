@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.config import current_config
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.memo import memoized
@@ -45,8 +45,6 @@ from jax_scaled.pow2.traced import (
     pow2_round_sqrt,
 )
 from jax_scaled.pow2.xla import scale_barrier
-
-Value = Any  # jax.Array | ScaledArray
 
 __all__ = ["Value", "compute_dtype"]  # and every public function below
 

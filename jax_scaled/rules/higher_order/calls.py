@@ -22,12 +22,10 @@ import jax
 import numpy as np
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.engine.facts import Slot, constant_slot, with_static_facts
 from jax_scaled.engine.interpreter import interpret_closed
 from jax_scaled.engine.registry import HigherOrderRule, Property, register_higher_order_rule
-
-Value = Any  # jax.Array | ScaledArray
 
 
 def _inline_call(param_name: str) -> HigherOrderRule:

@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.config import current_config
 from jax_scaled.engine.facts import Slot, plain_slot, rebound
 from jax_scaled.engine.interpreter import interpret_closed, interpret_jaxpr
@@ -56,7 +56,6 @@ from jax_scaled.pow2.traced import pow2_ratio
 from jax_scaled.scales.guard import recentred_carry
 from jax_scaled.scales.values import rescale
 
-Value = Any  # jax.Array | ScaledArray
 Signature = Any  # the scale dtype of a ScaledArray, or None for a plain value
 
 _E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
