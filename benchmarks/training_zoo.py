@@ -3,12 +3,17 @@
     python benchmarks/training_zoo.py                              # the whole grid, 200 steps
     python benchmarks/training_zoo.py --models mlp,cnn --optimizers adam,lion --steps 300
     python benchmarks/training_zoo.py --modes readme,fp8 --out ''  # print only, write nothing
+    python benchmarks/training_zoo.py --models transformer --ensemble 5  # means of 5 jitters
 
 For each model and optimizer the ``fp32`` cell runs first (it is the reference, added when
 ``--modes`` leaves it out), then every other mode from the same initialisation on the same
 batches. A cell passes when every step's loss is finite and its final test accuracy is at
 most 1 percentage point below fp32's, or its test loss within 1% of fp32's
-(:func:`experiments.zoo.verdict`). The table is printed as cells finish and written, with
+(:func:`experiments.zoo.verdict`). With ``--ensemble K`` every cell runs K times, from the
+initialisation and from K-1 jitters of it the size of one float16 rounding
+(:func:`experiments.zoo.init_params`), and the verdict compares the means: for a model whose
+float32 accuracy moves by more than the tolerance under such a jitter alone, one run cannot
+tell numerics from chance. The table is printed as cells finish and written, with
 the command, to ``OUT/NAME.md`` and ``OUT/NAME.json`` (``--name``, default
 ``training_zoo``) after every cell (an interrupted run leaves what it ran).
 """
@@ -27,6 +32,7 @@ from collections.abc import Sequence
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from experiments import zoo  # noqa: E402
 
@@ -43,8 +49,9 @@ TOLERANCE_PP = 1.0
 class Row:
     """A cell and its verdict against fp32 (``None`` for the fp32 cell itself)."""
 
-    result: zoo.CellResult
+    result: zoo.CellResult  # with --ensemble: the runs' mean (see ensemble_mean)
     reference: zoo.CellResult
+    accuracies: tuple[float, ...] = ()  # each run's test accuracy, with --ensemble
 
     @property
     def verdict(self) -> zoo.Verdict | None:
@@ -62,10 +69,26 @@ def cells(row: Row) -> tuple[str, ...]:
     r, v = row.result, row.verdict
     nan = r.first_nonfinite_step
     finite = "yes" if nan is None else f"no (step {nan})"
-    return (r.model, r.optimizer, r.mode, f"{100 * r.test_accuracy:.2f}%",
+    spread = ""
+    if len(row.accuracies) > 1:
+        spread = f" ({100 * min(row.accuracies):.2f}-{100 * max(row.accuracies):.2f})"
+    return (r.model, r.optimizer, r.mode, f"{100 * r.test_accuracy:.2f}%{spread}",
             f"{100 * row.reference.test_accuracy:.2f}%",
             "-" if v is None else f"{v.accuracy_delta_pp:+.2f}", f"{r.losses[-1]:.4f}",
             finite, _mark(v), f"{r.wall_s:.0f}")  # fmt: skip
+
+
+def ensemble_mean(results: Sequence[zoo.CellResult]) -> zoo.CellResult:
+    """One result for runs of the same cell: mean accuracy, test loss and per-step loss (a
+    non-finite step of any run stays non-finite), total wall time."""
+    losses = np.mean([r.losses for r in results], axis=0).tolist()
+    return dataclasses.replace(
+        results[0],
+        losses=losses,
+        test_accuracy=float(np.mean([r.test_accuracy for r in results])),
+        test_loss=float(np.mean([r.test_loss for r in results])),
+        wall_s=sum(r.wall_s for r in results),
+    )
 
 
 def _mark(v: zoo.Verdict | None) -> str:
@@ -105,7 +128,9 @@ def write(out: pathlib.Path, rows: Sequence[Row], meta: dict, name: str = "train
 
 def _settings(meta: dict) -> str:
     state = "complete" if meta["complete"] else "PARTIAL (interrupted or still running)"
-    return (f"{meta['steps']} steps of batch {meta['batch_size']}, seed {meta['seed']}; "
+    runs = meta.get("ensemble", 1)
+    ensemble = f"; each cell the mean of {runs} runs (jitters 0-{runs - 1})" if runs > 1 else ""
+    return (f"{meta['steps']} steps of batch {meta['batch_size']}, seed {meta['seed']}{ensemble}; "
             f"learning rates: {LEARNING_RATES}. jax {meta['jax']} on {meta['device']}; "
             f"{len(meta['ran'])} cells, {meta['wall_s']:.0f} s; run {state}.")  # fmt: skip
 
@@ -117,6 +142,7 @@ def _cell_json(row: Row) -> dict:
     data["test_loss"] = r.test_loss if math.isfinite(r.test_loss) else None
     data["finite"] = r.finite
     data["verdict"] = None if v is None else dataclasses.asdict(v)
+    data["accuracies"] = list(row.accuracies)
     return data
 
 
@@ -149,6 +175,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="train steps per cell")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ensemble",
+        type=int,
+        default=1,
+        help="runs per cell (jitters of the initialisation); verdict on means",
+    )
     parser.add_argument("--out", default="docs/results", help="directory of the report ('': none)")
     parser.add_argument("--name", default="training_zoo", help="file name of the report")
     args = parser.parse_args(argv)
@@ -170,18 +202,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv
     )
     meta = {"command": command.strip(), "steps": args.steps, "batch_size": args.batch_size,
-            "seed": args.seed, "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-            "ran": [], "complete": False, "wall_s": 0.0}  # fmt: skip
+            "seed": args.seed, "ensemble": args.ensemble, "jax": jax.__version__,
+            "device": jax.devices()[0].device_kind, "ran": [], "complete": False,
+            "wall_s": 0.0}  # fmt: skip
     start, rows = time.perf_counter(), []
     print(" | ".join(HEADER), flush=True)
     for optimizer in args.optimizers:  # optimizer-major: a partial run covers every model
         for model in args.models:
             reference = None
             for mode in args.modes:
-                result = zoo.run_cell(model, optimizer, mode, args.steps,
-                                      batch_size=args.batch_size, seed=args.seed)  # fmt: skip
+                runs = [zoo.run_cell(model, optimizer, mode, args.steps, jitter=j,
+                                     batch_size=args.batch_size, seed=args.seed)
+                        for j in range(args.ensemble)]  # fmt: skip
+                result = ensemble_mean(runs)
                 reference = reference or result
-                rows.append(Row(result, reference))
+                accuracies = tuple(r.test_accuracy for r in runs) if args.ensemble > 1 else ()
+                rows.append(Row(result, reference, accuracies))
                 print(" | ".join(cells(rows[-1])), flush=True)
                 meta["ran"].append(f"{model}/{optimizer}/{mode}")
                 meta["wall_s"] = time.perf_counter() - start

@@ -147,11 +147,33 @@ def load_task(model: str, seed: int = 0) -> tuple[Batch, Batch]:
     return shaped(data.train), shaped(data.test)
 
 
+# Relative size of a jitter: half a float16 ulp, the rounding error of one float16 cast.
+JITTER = 2.0**-11
+
+
 @functools.cache
-def init_params(model: str, seed: int = 0) -> Any:
-    """Float32 parameters of ``model`` from ``seed`` (the same for every mode)."""
+def init_params(model: str, seed: int = 0, jitter: int = 0) -> Any:
+    """Float32 parameters of ``model`` from ``seed`` (the same for every mode).
+
+    ``jitter`` > 0 multiplies every weight by ``1 + JITTER * r``, ``r`` drawn from
+    ``{-1, 0, 1}`` with key ``jitter``: a perturbation the size of one float16 rounding, to
+    measure how much a model's result moves under numerics alone (float32 included).
+
+    Example:
+        >>> a, b = init_params("mlp"), init_params("mlp", jitter=1)
+        >>> w, v = a["Dense_0"]["kernel"], b["Dense_0"]["kernel"]
+        >>> round(float(jnp.max(jnp.abs(v / w - 1))) / JITTER, 3)
+        1.0
+    """
     x = jnp.zeros((1, *MODELS[model].example_shape), jnp.float32)
-    return MODELS[model].module.init(jax.random.key(seed), x)["params"]
+    params = MODELS[model].module.init(jax.random.key(seed), x)["params"]
+    if jitter == 0:
+        return params
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(jitter), len(leaves))
+    signs = [jax.random.randint(k, leaf.shape, -1, 2) for k, leaf in zip(keys, leaves)]
+    jittered = [leaf * (1 + JITTER * s) for leaf, s in zip(leaves, signs)]
+    return jax.tree.unflatten(treedef, jittered)
 
 
 def loss_fn(model: str) -> Callable[[Any, Batch], jax.Array]:
@@ -296,12 +318,20 @@ def to_float(x: Any) -> float:
 
 
 def run_cell(
-    model: str, optimizer: str, mode: str, steps: int, *, batch_size: int = 64, seed: int = 0
+    model: str,
+    optimizer: str,
+    mode: str,
+    steps: int,
+    *,
+    batch_size: int = 64,
+    seed: int = 0,
+    jitter: int = 0,
 ) -> CellResult:
     """Train ``model`` with ``optimizer`` in ``mode`` for ``steps`` batches, then evaluate.
 
     Every mode starts from :func:`init_params` and sees the batches of
-    :func:`experiments.digits.batch_indices` for ``seed``, so cells differ only in numerics.
+    :func:`experiments.digits.batch_indices` for ``seed``, so cells differ only in numerics
+    (``jitter``: see :func:`init_params`).
 
     Example:
         >>> r = run_cell("mlp", "adam", "readme", steps=3)
@@ -311,7 +341,7 @@ def run_cell(
     start, m = time.perf_counter(), MODES[mode]
     train, test = load_task(model, seed)
     opt = m.optimizer(OPTIMIZERS[optimizer]())
-    params = init_params(model, seed)
+    params = init_params(model, seed, jitter)
     opt_state, params = m.init_state(opt, params), m.inputs(params)
     step = m.compile(make_step(m.loss(loss_fn(model)), opt))
     losses = []
