@@ -148,7 +148,7 @@ def record_properties(primitive: jxi.Primitive) -> str:
 
 _PROPERTY_NAMES = {
     Property.SHAPE_ONLY: "shape only",
-    Property.ELEMENTWISE: "elementwise",
+    Property.FOLDS_SCALARS: "folds scalars",
     Property.ANY_SCALE_PRESERVING: "any-scale preserving",
     Property.ABSORBING: "absorbing",
     Property.MULTIPLICATIVE: "multiplicative",

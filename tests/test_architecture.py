@@ -1,10 +1,11 @@
-"""The package's structure (issue 18): no import cycle, no private name imported across
-modules, a small interpreter, primitive knowledge only in the registry's records, and the
-worked example of docs/architecture.md."""
+"""The package's structure (issues 18 and 26): layers imported only downwards, no import
+cycle, no private name imported across modules, a small interpreter, primitive knowledge only
+in the registry's records, and the worked example of docs/architecture.md."""
 
 from __future__ import annotations
 
 import ast
+import collections
 import re
 from pathlib import Path
 
@@ -90,6 +91,51 @@ def test_package_modules_do_not_import_the_package():
         if target == "jax_scaled" and any(f"jax_scaled.{n}" not in MODULES for n in names)
     ]
     assert not offenders, offenders
+
+
+# The package's layers, lowest first: a module may import from its own layer and those below,
+# never from a layer above (docs/architecture.md draws them). Modules not named here are the
+# user-facing layer on top (scalify's API, quantize, nn, ops, optim, diagnostics, tree).
+LAYERS = (
+    ("base", ("_jax_internals", "dtypes", "any_scale", "formats", "context", "memo")),
+    ("power-of-two arithmetic", ("pow2",)),
+    ("ScaledArray and config", ("array", "config")),
+    ("scale math on ScaledArrays", ("scales",)),
+    ("engine", ("engine",)),
+    ("rules", ("rules",)),
+)
+
+
+def _layer(module: str) -> int:
+    """Index of ``module``'s layer in :data:`LAYERS` (the user-facing layer: ``len(LAYERS)``)."""
+    name = module.removeprefix("jax_scaled.")
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return index
+    return len(LAYERS)
+
+
+def _layer_name(index: int) -> str:
+    return LAYERS[index][0] if index < len(LAYERS) else "user-facing"
+
+
+def test_no_import_goes_up_a_layer():
+    """E.g. the engine imports no user-facing op: it reads ``js.quantize``'s tracing flag
+    from the per-call context, not from ``jax_scaled.quantize``."""
+    offenders = [
+        f"{m} ({_layer_name(_layer(m))}) imports {d} ({_layer_name(_layer(d))})"
+        for m in MODULES
+        if m != "jax_scaled"
+        for d in _dependencies(m)
+        if d != "jax_scaled" and _layer(d) > _layer(m)
+    ]
+    assert not offenders, offenders
+
+
+def test_every_layer_has_modules():
+    """A renamed folder must not leave its layer silently empty (and the test vacuous)."""
+    counts = collections.Counter(_layer(m) for m in MODULES)
+    assert all(counts[i] > 0 for i in range(len(LAYERS) + 1)), counts
 
 
 def _defining_module(module: str, name: str) -> str | None:
@@ -179,7 +225,7 @@ def test_architecture_example_rule(softsign_p, scale):
 
 def test_architecture_example_record(softsign_p):
     found = record(softsign_p)
-    assert found.has(Property.ELEMENTWISE) and found.rule is not None
+    assert found.has(Property.FOLDS_SCALARS) and found.rule is not None
     # Outside scalify the primitive is itself; under scalify plain operands pass untouched.
     plain = np.asarray(js.scalify(softsign_p.bind)(jnp.array([1.0, -3.0])))
     np.testing.assert_allclose(plain, [0.5, -0.75])

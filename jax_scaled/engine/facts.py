@@ -43,8 +43,6 @@ class Slot:
     :mod:`jax_scaled.engine.estimates`), used to scale it if it meets a ScaledArray.
     ``any_scale`` says the value does not depend on its scale (:data:`ANY_SCALE`: zeros,
     infinities, NaNs and selections among them), so it takes the scale of what it meets.
-    ``rows`` holds, for the stacked output of a ``scan`` whose rows have scales of their own,
-    ``(data, per-row scales)``: a later scan over it reads the rows without a rescale.
     """
 
     value: Value
@@ -52,7 +50,6 @@ class Slot:
     base: jax.Array | None = None
     estimate: float | None = None
     any_scale: bool = False
-    rows: tuple | None = None
 
     @property
     def is_scaled(self) -> bool:
@@ -171,7 +168,7 @@ def _broadcast_facts(eqn: jxi.JaxprEqn, found: Any, in_slots: list[Slot], outs: 
             return [Slot(outs[0], constant=source.constant, base=source.base)]
         if found.facts is not None:
             return [found.facts(eqn, in_slots, outs[0])]
-        if found.has(Property.ELEMENTWISE) and all(s.has_fact for s in in_slots):
+        if found.has(Property.FOLDS_SCALARS) and all(s.has_fact for s in in_slots):
             return [_elementwise_fact(eqn, in_slots, outs[0])]
     return [plain_slot(v) for v in outs]
 

@@ -34,7 +34,10 @@ class Property(enum.Flag):
 
     * ``SHAPE_ONLY``: moves data without changing values (``reshape``); a broadcast of a
       scalar stays that broadcast.
-    * ``ELEMENTWISE``: applied to broadcasts of scalars, gives a broadcast of a scalar.
+    * ``FOLDS_SCALARS``: pointwise arithmetic whose value on broadcasts of scalars the
+      interpreter computes at trace time (a broadcast scalar's fact goes through it).
+      Implies ``POINTWISE``; the other pointwise primitives (comparisons, trigonometry,
+      casts) are not folded, so their outputs carry no fact.
     * ``ANY_SCALE_PRESERVING``: on scale-free inputs only (zeros, infinities, NaNs), its
       output is scale-free too (a selection or reshuffle of such values).
     * ``ABSORBING``: one scale-free factor makes the output scale-free (``0 * x``, ``x / 0``).
@@ -43,7 +46,9 @@ class Property(enum.Flag):
     * ``SELECTING``: every output element is one of the input elements (exact on data).
     * ``ADDING``: its outputs are sums of its inputs.
     * ``LAYOUT``: pure data layout (transposes, reshapes): what the transpose of a
-      contraction may contain besides the contraction.
+      contraction may contain besides the contraction. Not ``SHAPE_ONLY``'s synonym: a
+      ``copy`` keeps a fact but is no layout, a ``transpose`` is a layout whose facts the
+      interpreter does not track.
     * ``FACTS_INSIDE``: a call (``jit``) that is interpreted even on plain operands when
       they carry facts, so that facts its body derives reach its outputs.
     * ``POINTWISE``: each output element is a function of the same element of the operands
@@ -56,7 +61,7 @@ class Property(enum.Flag):
 
     NONE = 0
     SHAPE_ONLY = enum.auto()
-    ELEMENTWISE = enum.auto()
+    FOLDS_SCALARS = enum.auto()
     ANY_SCALE_PRESERVING = enum.auto()
     ABSORBING = enum.auto()
     MULTIPLICATIVE = enum.auto()
@@ -109,7 +114,7 @@ def record(primitive: Primitive) -> PrimitiveRecord:
 
     Example:
         >>> from jax import lax
-        >>> record(lax.add_p).has(Property.ELEMENTWISE | Property.ADDING)
+        >>> record(lax.add_p).has(Property.FOLDS_SCALARS | Property.ADDING)
         True
     """
     found = _RECORDS.get(primitive)
@@ -129,10 +134,12 @@ def declare(
     Example:
         >>> from jax.extend.core import Primitive
         >>> halve_p = Primitive("halve")
-        >>> declare(halve_p, properties=Property.ELEMENTWISE).has(Property.ELEMENTWISE)
+        >>> declare(halve_p, properties=Property.FOLDS_SCALARS).has(Property.POINTWISE)
         True
     """
     found = _RECORDS.setdefault(primitive, PrimitiveRecord(primitive))
+    if properties & Property.FOLDS_SCALARS:
+        properties |= Property.POINTWISE
     found.properties |= properties
     found.estimate = estimate or found.estimate
     found.fold = fold or found.fold
@@ -162,7 +169,7 @@ def register_scale_rule(
     Example:
         >>> from jax.extend.core import Primitive
         >>> double_p = Primitive("double")  # a user's own primitive
-        >>> @register_scale_rule(double_p, properties=Property.ELEMENTWISE)
+        >>> @register_scale_rule(double_p, properties=Property.FOLDS_SCALARS)
         ... def double_rule(x, **params):
         ...     return ScaledArray(x.data, x.scale * 2)
     """
@@ -216,11 +223,6 @@ def register_block_rule(
         return rule
 
     return register
-
-
-def find_scale_rule(primitive: Primitive) -> ScaleRule | None:
-    """The rule registered for ``primitive``, or None."""
-    return record(primitive).rule
 
 
 def registered_primitives() -> dict[str, str]:

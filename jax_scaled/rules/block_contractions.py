@@ -44,7 +44,7 @@ from jax import lax
 
 from jax_scaled.array import ScaledArray, Value, expand_scale
 from jax_scaled.engine.registry import register_block_rule
-from jax_scaled.rules.linalg import bind_contraction
+from jax_scaled.rules.toolkit import bind_contraction
 from jax_scaled.scales import blocks as geometry
 from jax_scaled.scales.guard import guard_factors
 from jax_scaled.scales.values import (

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -15,17 +14,17 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine import estimates
 from jax_scaled.engine.facts import converted_fact
-from jax_scaled.engine.registry import Property, declare, register_scale_rule
-from jax_scaled.pow2.static import EXPONENT_BIAS, MIN_SCALE_EXPONENT, is_static
+from jax_scaled.engine.registry import Property, register_scale_rule
+from jax_scaled.pow2.static import EXPONENT_BIAS, MIN_SCALE_EXPONENT
 from jax_scaled.pow2.traced import (
     floor_divide_exponent,
     pow2_exponent,
     pow2_from_exponent,
 )
 from jax_scaled.pow2.xla import float_division
+from jax_scaled.rules.toolkit import align_selection, has_static_scale
 from jax_scaled.scales.guard import (
     centred,
-    fitting_scale,
     guard_band,
     guarded,
     largest_biased_exponent,
@@ -45,7 +44,6 @@ from jax_scaled.scales.values import (
     rounded_l2_scale,
     scale_f32,
     scale_mul,
-    scale_reciprocal,
     times_scalar,
     to_compute,
     wide_data,
@@ -66,8 +64,8 @@ def _add_or_sub(x, y, op, guard: bool) -> ScaledArray:
 
 
 # Property sets of this module's records (jax_scaled.engine.registry.Property).
-_SUM = Property.ELEMENTWISE | Property.ANY_SCALE_PRESERVING | Property.ADDING
-_PRODUCT = Property.ELEMENTWISE | Property.ABSORBING | Property.MULTIPLICATIVE
+_SUM = Property.FOLDS_SCALARS | Property.ANY_SCALE_PRESERVING | Property.ADDING
+_PRODUCT = Property.FOLDS_SCALARS | Property.ABSORBING | Property.MULTIPLICATIVE
 _SELECTION = Property.ANY_SCALE_PRESERVING | Property.SELECTING
 
 
@@ -97,7 +95,7 @@ def mul_rule(x, y, **params):
     (:func:`~jax_scaled.scales.guard.top_of_format`): a constant factor is applied with its
     mantissa in [0.5, 1) (:func:`_shrinking_constant`), other products are formed in
     float32 and their largest datum put at the guard's target (:func:`centred`)."""
-    static = _has_static_scale(x) != _has_static_scale(y)
+    static = has_static_scale(x) != has_static_scale(y)
     x, y = as_scaled(x), as_scaled(y)
     scale = scale_mul(scale_f32(x), scale_f32(y))
     if top_of_format(x.dtype) and static and jnp.finfo(x.dtype).minexp < 0:
@@ -112,7 +110,7 @@ def _shrinking_constant(x: ScaledArray) -> ScaledArray:
     """A promoted constant (mantissa in [1, 2), static scale) as mantissa / 2 at twice its
     scale, so that multiplying by it never grows data (exact: the half is a normal number of
     the format); other values as they are."""
-    if not _has_static_scale(x):
+    if not has_static_scale(x):
         return x
     half = lax.mul(x.data, np.asarray(0.5, x.dtype))
     return ScaledArray(half, make_scale(scale_mul(scale_f32(x), np.float32(2.0)), x))
@@ -123,7 +121,7 @@ def div_rule(x, y, **params):
     """sx / sy, data dx / dy. 8-bit data (top of its format): formed in float32 and
     centred (:func:`~jax_scaled.scales.guard.centred`), except by a constant divisor (its
     mantissa >= 1 only shrinks data)."""
-    divisor_constant = _has_static_scale(y) and not _has_static_scale(x)
+    divisor_constant = has_static_scale(y) and not has_static_scale(x)
     x, y = as_scaled(x), as_scaled(y)
     scale = float_division(scale_f32(x), scale_f32(y))  # cuts scale chains: see scales.xla
     if products_guarded(x.dtype) and not divisor_constant:
@@ -133,7 +131,7 @@ def div_rule(x, y, **params):
 
 @register_scale_rule(
     lax.neg_p,
-    properties=Property.ELEMENTWISE | _SELECTION,
+    properties=Property.FOLDS_SCALARS | _SELECTION,
     estimate=estimates.first,
     fold=np.negative,
 )
@@ -152,7 +150,7 @@ def _on_data(x: ScaledArray, primitive, **params) -> ScaledArray:
 
 @register_scale_rule(
     lax.abs_p,
-    properties=Property.ELEMENTWISE | _SELECTION,
+    properties=Property.FOLDS_SCALARS | _SELECTION,
     estimate=estimates.first,
     fold=np.abs,
 )
@@ -161,13 +159,15 @@ def abs_rule(x: ScaledArray, **params) -> ScaledArray:
     return _on_data(x, lax.abs_p, **params)
 
 
-@register_scale_rule(lax.sign_p, properties=Property.ELEMENTWISE, fold=np.sign)
+@register_scale_rule(lax.sign_p, properties=Property.FOLDS_SCALARS, fold=np.sign)
 def sign_rule(x: ScaledArray, **params) -> ScaledArray:
     """Scale 1: sign(d * s) == sign(d) for a positive scale."""
     return ScaledArray(lax.sign(x.data), make_scale(np.ones((), np.float32), x))
 
 
-@register_scale_rule(lax.reduce_precision_p, estimate=estimates.first)
+@register_scale_rule(
+    lax.reduce_precision_p, properties=Property.POINTWISE, estimate=estimates.first
+)
 def reduce_precision_rule(x: ScaledArray, **params) -> ScaledArray:
     """Input scale; applied to the data (the emulated format's exponent range is the data's)."""
     return _on_data(x, lax.reduce_precision_p, **params)
@@ -175,7 +175,7 @@ def reduce_precision_rule(x: ScaledArray, **params) -> ScaledArray:
 
 @register_scale_rule(
     lax.copy_p,
-    properties=Property.SHAPE_ONLY | _SELECTION,
+    properties=Property.SHAPE_ONLY | _SELECTION | Property.POINTWISE,
     estimate=estimates.first,
 )
 def copy_rule(x: ScaledArray, **params) -> ScaledArray:
@@ -183,7 +183,9 @@ def copy_rule(x: ScaledArray, **params) -> ScaledArray:
     return ScaledArray(lax.copy_p.bind(x.data, **params), lax.copy_p.bind(x.scale, **params))
 
 
-@register_scale_rule(lax_primitives.stop_gradient_p, estimate=estimates.first)
+@register_scale_rule(
+    lax_primitives.stop_gradient_p, properties=Property.POINTWISE, estimate=estimates.first
+)
 def stop_gradient_rule(x: ScaledArray, **params) -> ScaledArray:
     """Input scale; no gradient flows through the data nor the scale."""
     stop = lax_primitives.stop_gradient_p
@@ -195,99 +197,6 @@ def stop_gradient_rule(x: ScaledArray, **params) -> ScaledArray:
 # ---------------------------------------------------------------------------------------
 
 
-def _has_static_scale(x: Value) -> bool:
-    """True for a trace-time constant promoted by the interpreter (its scale is numpy)."""
-    return isinstance(x, ScaledArray) and is_static(x.scale)
-
-
-def _headroom(dtype) -> float:
-    """``2^H``, ``H`` half the binary exponent range above 1 of ``dtype`` (f32: 2^63, f16: 2^7)."""
-    return 2.0 ** (int(math.log2(float(jnp.finfo(dtype).max))) // 2)
-
-
-def _scale_free(x: Value, xs: tuple[Value, ...]) -> jax.Array | None:
-    """Whether operand ``x`` of ``xs`` holds only zeros, infinities or NaNs (a bool traced at
-    run time), or None where it need not be asked.
-
-    Such a value is the same at any scale; the interpreter gives it the other operands'
-    scale, or, where they have block scales, the largest block scale, which must not raise
-    every block's (``relu``'s ``0.0``, a ``jnp.where`` fill). Asked of operands with a scale
-    of their own: of one element (folded by XLA for a literal), or of any size for 8-bit
-    data. A per-tensor program's fills share their scale object and cost nothing."""
-    if not isinstance(x, ScaledArray) or _has_static_scale(x) or x.size == 0:
-        return None
-    if any(y is not x and isinstance(y, ScaledArray) and y.scale is x.scale for y in xs):
-        return None
-    if x.size != 1 and not products_guarded(x.dtype):
-        return None
-    return jnp.all((x.data == 0) | ~lax.is_finite(x.data))
-
-
-def align_selection(*xs: Value) -> tuple[list[jax.Array], jax.Array]:
-    """Align the operands of a selection (select_n, max, min, concatenate): ``(datas, scale)``.
-
-    The common scale is the largest scale of the traced operands. A trace-time constant (a
-    mask fill such as ``finfo.min``, a clip bound) needs no unit-scale data, only to fit in
-    the data format: it raises the scale to at most its own scale divided by the format's
-    headroom (:func:`_headroom`), so a huge fill does not flush the other operands to zero.
-
-    Example:
-        >>> fill = ScaledArray(jnp.full(2, -1.5), np.float32(2.0**127))  # a promoted -2.6e38
-        >>> x = ScaledArray(jnp.array([1.0, 2.0]), jnp.float32(1.0))
-        >>> datas, scale = align_selection(fill, x)
-        >>> float(scale), datas[1].tolist()
-        (1.8446744073709552e+19, [5.421010862427522e-20, 1.0842021724855044e-19])
-
-    Scale-free operands (:func:`_scale_free`) are left out of the common scale: a ``relu``
-    of block-scaled data keeps every block's scale, exactly. 8-bit data sits at the top of
-    its format: see :func:`_align_narrow`.
-    """
-    free = [_scale_free(x, xs) for x in xs]
-    if all(f is None for f in free):
-        return _align_with_constants(*xs)
-    smallest = np.float32(2.0**MIN_SCALE_EXPONENT)
-    kept = [
-        x if f is None else ScaledArray(x.data, lax.select(f, smallest, scale_f32(x)))
-        for x, f in zip(xs, free, strict=True)
-    ]
-    datas, scale = _align_with_constants(*kept)
-    datas = [d if f is None else lax.select(f, x.data, d) for x, f, d in zip(xs, free, datas)]
-    return datas, scale
-
-
-def _align_with_constants(*xs: Value) -> tuple[list[jax.Array], jax.Array]:
-    """:func:`align_selection` once scale-free operands are set aside."""
-    if products_guarded(xs[0].dtype) and any(map(_has_static_scale, xs)):
-        return _align_narrow(*xs)
-    if not any(_has_static_scale(x) for x in xs) or all(_has_static_scale(x) for x in xs):
-        return align(*xs)
-    traced = max_scale([scale_f32(x) for x in xs if not _has_static_scale(x)])
-    constants = [x for x in xs if _has_static_scale(x)]
-    floor = max(float(x.scale) / _headroom(x.dtype) for x in constants)
-    floor = max(floor, 2.0**MIN_SCALE_EXPONENT)
-    # Traced operands at scale 0 (zeros whose scale underflowed, such as a decayed moment
-    # initialised at the smallest scale) hold no magnitude: the constants' own scale then.
-    own = np.float32(max(float(x.scale) for x in constants))
-    scale = lax.select(lax.gt(traced, np.float32(0)), lax.max(traced, np.float32(floor)), own)
-    return align(*xs, scale=scale)
-
-
-def _align_narrow(*xs: Value) -> tuple[list[jax.Array], jax.Array]:
-    """:func:`align_selection` for 8-bit data mixed with constants: the largest traced scale,
-    raised only as far as the constants need to fit below the top of the format
-    (:func:`~jax_scaled.scales.guard.fitting_scale`); ``min(x, 6.0)`` of data far below 6
-    keeps its scale. A format's few binades leave no room for the wider formats' headroom."""
-    static = [_has_static_scale(x) for x in xs]
-    if all(static):
-        return align(*xs)
-    traced = max_scale([scale_f32(x) for x, s in zip(xs, static, strict=True) if not s])
-    own = np.float32(max(float(x.scale) for x, s in zip(xs, static, strict=True) if s))
-    scale = lax.select(lax.gt(traced, np.float32(0)), traced, own)  # see align_selection
-    bound = times_scalar(np.float32(2 * own), scale_reciprocal(scale))  # |mantissa| < 2
-    scale = fitting_scale(bound, scale, xs[0].dtype)
-    return align(*xs, scale=scale)
-
-
 def _aligned(primitive, *xs: Value, **params) -> ScaledArray:
     """Apply ``primitive`` to the data of ``xs`` aligned by :func:`align_selection`."""
     datas, scale = align_selection(*xs)
@@ -296,7 +205,7 @@ def _aligned(primitive, *xs: Value, **params) -> ScaledArray:
 
 @register_scale_rule(
     lax.max_p,
-    properties=Property.ELEMENTWISE | _SELECTION,
+    properties=Property.FOLDS_SCALARS | _SELECTION,
     estimate=estimates.largest,
     fold=np.maximum,
 )
@@ -307,7 +216,7 @@ def max_rule(x: Value, y: Value, **params) -> ScaledArray:
 
 @register_scale_rule(
     lax.min_p,
-    properties=Property.ELEMENTWISE | _SELECTION,
+    properties=Property.FOLDS_SCALARS | _SELECTION,
     estimate=estimates.largest,
     fold=np.minimum,
 )
@@ -324,7 +233,9 @@ def _whole_case(which: jax.Array, cases: tuple[Value, ...]) -> ScaledArray:
     return ScaledArray(data, make_scale(scale, *cases))
 
 
-@register_scale_rule(lax.select_n_p, properties=_SELECTION, estimate=estimates.largest_case)
+@register_scale_rule(
+    lax.select_n_p, properties=_SELECTION | Property.POINTWISE, estimate=estimates.largest_case
+)
 def select_n_rule(which: jax.Array, *cases: Value, **params) -> ScaledArray:
     """Largest case scale (constants: see :func:`align_selection`); cases aligned, selected.
 
@@ -336,7 +247,7 @@ def select_n_rule(which: jax.Array, *cases: Value, **params) -> ScaledArray:
         return _whole_case(which, cases)
     datas, scale = align_selection(*cases)
     out = ScaledArray(lax.select_n_p.bind(which, *datas, **params), make_scale(scale, *cases))
-    mixed = any(_has_static_scale(c) for c in cases) and not all(map(_has_static_scale, cases))
+    mixed = any(has_static_scale(c) for c in cases) and not all(map(has_static_scale, cases))
     if not mixed or np.size(which) == 0:
         return out
     first = which.reshape(-1)[0]
@@ -347,7 +258,9 @@ def select_n_rule(which: jax.Array, *cases: Value, **params) -> ScaledArray:
     )
 
 
-@register_scale_rule(lax.clamp_p, properties=_SELECTION, estimate=estimates.largest)
+@register_scale_rule(
+    lax.clamp_p, properties=_SELECTION | Property.POINTWISE, estimate=estimates.largest
+)
 def clamp_rule(lo: Value, x: Value, hi: Value, **params) -> ScaledArray:
     """Scale of x: the bounds are brought to it in float32, clamped, rounded once."""
     scale = scale_f32(x)
@@ -359,7 +272,7 @@ def clamp_rule(lo: Value, x: Value, hi: Value, **params) -> ScaledArray:
     return ScaledArray(bounded.astype(x.dtype), make_scale(scale, x, lo, hi))
 
 
-@register_scale_rule(lax.nextafter_p)
+@register_scale_rule(lax.nextafter_p, properties=Property.POINTWISE)
 def nextafter_rule(x: Value, y: Value, **params) -> ScaledArray:
     """Scale of x: the next value of the data format *at x's scale*, towards y (aligned to it).
 
@@ -371,7 +284,7 @@ def nextafter_rule(x: Value, y: Value, **params) -> ScaledArray:
 
 @register_scale_rule(
     lax_primitives.add_jaxvals_p,
-    properties=Property.ADDING,
+    properties=Property.ADDING | Property.POINTWISE,
     estimate=estimates.sum_of_squares,
 )
 def add_any_rule(x: Value, y: Value, **params) -> ScaledArray:
@@ -401,7 +314,7 @@ def _root_split(x: ScaledArray, n: int) -> tuple[jax.Array, jax.Array]:
     return times_scalar(_wide(x), pow2_from_exponent(lax.sub(exponent, lax.mul(k, np.int32(n))))), k
 
 
-@register_scale_rule(lax.integer_pow_p, properties=Property.ELEMENTWISE)
+@register_scale_rule(lax.integer_pow_p, properties=Property.FOLDS_SCALARS)
 def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     """Exact: scale s^y, data d^y (in float32, rounded once; for 8-bit data, its largest
     datum put at the guard's target: :func:`~jax_scaled.scales.guard.centred`).
@@ -451,27 +364,27 @@ def _power_guard_exponent(x: ScaledArray, y: int) -> jax.Array | None:
     return lax.select(outside & (biased > 0), exponent, np.int32(0))
 
 
-@register_scale_rule(lax.square_p, properties=Property.ELEMENTWISE, fold=np.square)
+@register_scale_rule(lax.square_p, properties=Property.FOLDS_SCALARS, fold=np.square)
 def square_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: scale s^2, data d^2 (in float32, rounded once)."""
     return integer_pow_rule(x, y=2)
 
 
-@register_scale_rule(lax.sqrt_p, properties=Property.ELEMENTWISE)
+@register_scale_rule(lax.sqrt_p, properties=Property.FOLDS_SCALARS)
 def sqrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(2k+r) gives scale 2^k, data sqrt(d * 2^r)."""
     data, k = _root_split(x, 2)
     return ScaledArray(lax.sqrt(data).astype(x.dtype), make_scale(pow2_from_exponent(k), x))
 
 
-@register_scale_rule(lax.rsqrt_p, properties=Property.ELEMENTWISE)
+@register_scale_rule(lax.rsqrt_p, properties=Property.FOLDS_SCALARS)
 def rsqrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(2k+r) gives scale 2^-k, data rsqrt(d * 2^r)."""
     data, k = _root_split(x, 2)
     return ScaledArray(lax.rsqrt(data).astype(x.dtype), make_scale(pow2_from_exponent(-k), x))
 
 
-@register_scale_rule(lax.cbrt_p)
+@register_scale_rule(lax.cbrt_p, properties=Property.POINTWISE)
 def cbrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(3k+r) gives scale 2^k, data cbrt(d * 2^r)."""
     data, k = _root_split(x, 3)
@@ -489,25 +402,25 @@ def _integral(x: ScaledArray, primitive, **params) -> ScaledArray:
     return from_compute(value, jnp.maximum(scale_f32(x), 1), x.dtype, x)
 
 
-@register_scale_rule(lax.floor_p)
+@register_scale_rule(lax.floor_p, properties=Property.POINTWISE)
 def floor_rule(x: ScaledArray, **params) -> ScaledArray:
     """max(s, 1); floor of the value in float32 (exact)."""
     return _integral(x, lax.floor_p, **params)
 
 
-@register_scale_rule(lax.ceil_p)
+@register_scale_rule(lax.ceil_p, properties=Property.POINTWISE)
 def ceil_rule(x: ScaledArray, **params) -> ScaledArray:
     """max(s, 1); ceil of the value in float32 (exact)."""
     return _integral(x, lax.ceil_p, **params)
 
 
-@register_scale_rule(lax.round_p)
+@register_scale_rule(lax.round_p, properties=Property.POINTWISE)
 def round_rule(x: ScaledArray, **params) -> ScaledArray:
     """max(s, 1); round of the value in float32 (exact)."""
     return _integral(x, lax.round_p, **params)
 
 
-@register_scale_rule(lax.rem_p)
+@register_scale_rule(lax.rem_p, properties=Property.POINTWISE)
 def rem_rule(x: Value, y: Value, **params) -> ScaledArray:
     """The smaller of the two scales (``|rem(x, y)| <= min(|x|, |y|)``: ``x`` itself when
     ``|x| < |y|``); fmod of the values in float32 (exact), rounded once."""
@@ -535,13 +448,13 @@ def _register_comparison(primitive, properties: Property) -> None:
 
 
 for _comparison in (lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p):
-    _register_comparison(_comparison, Property.SELECTING)
+    _register_comparison(_comparison, Property.SELECTING | Property.POINTWISE)
 # The *_to primitives compare in IEEE total order (jnp.searchsorted, jnp.interp).
 for _comparison in (lax_primitives.eq_to_p, lax_primitives.lt_to_p, lax_primitives.le_to_p):
     _register_comparison(_comparison, Property.NONE)
 
 
-@register_scale_rule(lax.is_finite_p, properties=Property.SELECTING)
+@register_scale_rule(lax.is_finite_p, properties=Property.SELECTING | Property.POINTWISE)
 def is_finite_rule(x: ScaledArray, **params) -> jax.Array:
     """Plain bool: finite data and finite scale."""
     return lax.is_finite_p.bind(x.data, **params) & lax.is_finite(scale_f32(x))
@@ -554,7 +467,7 @@ def is_finite_rule(x: ScaledArray, **params) -> jax.Array:
 
 @register_scale_rule(
     lax.convert_element_type_p,
-    properties=Property.ANY_SCALE_PRESERVING,
+    properties=Property.ANY_SCALE_PRESERVING | Property.POINTWISE,
     facts=converted_fact,
 )
 def convert_element_type_rule(x: ScaledArray, *, new_dtype, **params) -> Value:
@@ -580,15 +493,3 @@ def bitcast_convert_type_rule(x: ScaledArray, **params) -> jax.Array:
     The value can overflow or underflow the data dtype; bitcasts are not scale-aware.
     """
     return lax.bitcast_convert_type_p.bind(x.to_array(), **params)
-
-
-# Pointwise primitives: on block-scaled operands their rules above run on every block.
-for _pointwise in (
-    lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.neg_p, lax.abs_p, lax.sign_p,
-    lax.reduce_precision_p, lax.copy_p, lax_primitives.stop_gradient_p, lax.max_p, lax.min_p,
-    lax.select_n_p, lax.clamp_p, lax.nextafter_p, lax_primitives.add_jaxvals_p,
-    lax.integer_pow_p, lax.square_p, lax.sqrt_p, lax.rsqrt_p, lax.cbrt_p, lax.floor_p,
-    lax.ceil_p, lax.round_p, lax.rem_p, lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p,
-    lax.ge_p, lax.is_finite_p, lax.convert_element_type_p,
-):  # fmt: skip
-    declare(_pointwise, properties=Property.POINTWISE)

@@ -16,9 +16,9 @@ from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine import estimates
 from jax_scaled.engine.registry import Property, register_scale_rule
+from jax_scaled.rules.toolkit import bind_contraction
 from jax_scaled.scales.guard import guard_band, guarded
 from jax_scaled.scales.values import Value, as_scaled, make_scale, scale_f32, scale_mul, sqrt_pow2
 
@@ -42,31 +42,6 @@ def _contract(
         return ScaledArray(data, make_scale(scale, x, y))
     out = contract(x.data, y.data, jnp.float32)
     return guarded(out, scale, out_dtype, x, y, divisor=sqrt_k)
-
-
-def bind_contraction(primitive: jxi.Primitive, a: jax.Array, b: jax.Array, **params) -> jax.Array:
-    """``primitive`` bound on ``a`` and ``b``; where ``precision`` names a dot algorithm
-    (``lax.DotAlgorithmPreset``, such as the ``F16_F16_F32`` of ``jax.nn.dot_product_attention``
-    and flax attention), XLA:CPU supports only a few: on CPU the operands are widened to
-    float32 (exact for narrower floats) and contracted at default precision, which is at least
-    as accurate, into the requested output dtype. Other platforms get the algorithm as asked.
-    """
-    if not isinstance(params.get("precision"), lax.DotAlgorithmPreset | lax.DotAlgorithm):
-        return primitive.bind(a, b, **params)
-
-    def widened(a: jax.Array, b: jax.Array) -> jax.Array:
-        wide = {**params, "precision": None}
-        if wide["preferred_element_type"] is None:
-            wide["preferred_element_type"] = jnp.result_type(a.dtype, b.dtype)
-        return primitive.bind(_widened(a), _widened(b), **wide)
-
-    return lax.platform_dependent(
-        a, b, cpu=widened, default=lambda a, b: primitive.bind(a, b, **params)
-    )
-
-
-def _widened(x: jax.Array) -> jax.Array:
-    return lax.convert_element_type(x, compute_dtype(x.dtype))
 
 
 @register_scale_rule(

@@ -17,7 +17,7 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.engine import estimates
 from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.pow2.static import is_static
-from jax_scaled.rules.elementwise import align_selection
+from jax_scaled.rules.toolkit import align_selection
 from jax_scaled.scales.guard import guard_band, guarded
 from jax_scaled.scales.values import (
     Value,

@@ -32,7 +32,7 @@ from jax import lax
 from jax_scaled.array import ScaledArray, Value
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine import estimates
-from jax_scaled.engine.registry import Property, declare, register_scale_rule
+from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.pow2.static import is_static, static_pow2_round
 from jax_scaled.pow2.traced import pow2_exponent, pow2_reciprocal
 from jax_scaled.pow2.xla import traced_one
@@ -83,121 +83,121 @@ def _evaluate(primitive, x: Value, estimate: ScaleEstimate, params: dict, bound:
     return _resplit(value, estimate(scale_f32(x)), x.dtype, x, bound=bound)
 
 
-@register_scale_rule(lax.exp_p, properties=Property.ELEMENTWISE, estimate=estimates.unit)
+@register_scale_rule(lax.exp_p, properties=Property.FOLDS_SCALARS, estimate=estimates.unit)
 def exp_rule(x: Value, **params) -> ScaledArray:
     """exp: output scale 1."""
     return _evaluate(lax.exp_p, x, _unit, params)
 
 
-@register_scale_rule(lax.exp2_p, properties=Property.ELEMENTWISE, estimate=estimates.unit)
+@register_scale_rule(lax.exp2_p, properties=Property.FOLDS_SCALARS, estimate=estimates.unit)
 def exp2_rule(x: Value, **params) -> ScaledArray:
     """exp2: output scale 1."""
     return _evaluate(lax.exp2_p, x, _unit, params)
 
 
-@register_scale_rule(lax.cos_p, estimate=estimates.unit)
+@register_scale_rule(lax.cos_p, properties=Property.POINTWISE, estimate=estimates.unit)
 def cos_rule(x: Value, **params) -> ScaledArray:
     """cos: output scale 1."""
     return _evaluate(lax.cos_p, x, _unit, params)
 
 
-@register_scale_rule(lax.cosh_p)
+@register_scale_rule(lax.cosh_p, properties=Property.POINTWISE)
 def cosh_rule(x: Value, **params) -> ScaledArray:
     """cosh: output scale 1."""
     return _evaluate(lax.cosh_p, x, _unit, params)
 
 
-@register_scale_rule(lax.logistic_p, properties=Property.ELEMENTWISE, estimate=estimates.unit)
+@register_scale_rule(lax.logistic_p, properties=Property.FOLDS_SCALARS, estimate=estimates.unit)
 def logistic_rule(x: Value, **params) -> ScaledArray:
     """logistic: output scale 1."""
     return _evaluate(lax.logistic_p, x, _unit, params)
 
 
-@register_scale_rule(lax.erfc_p, estimate=estimates.unit)
+@register_scale_rule(lax.erfc_p, properties=Property.POINTWISE, estimate=estimates.unit)
 def erfc_rule(x: Value, **params) -> ScaledArray:
     """erfc: output scale 1."""
     return _evaluate(lax.erfc_p, x, _unit, params)
 
 
-@register_scale_rule(lax.sin_p)
+@register_scale_rule(lax.sin_p, properties=Property.POINTWISE)
 def sin_rule(x: Value, **params) -> ScaledArray:
     """sin: output scale min(s, 1)."""
     return _evaluate(lax.sin_p, x, _linear, params)
 
 
-@register_scale_rule(lax.tan_p)
+@register_scale_rule(lax.tan_p, properties=Property.POINTWISE)
 def tan_rule(x: Value, **params) -> ScaledArray:
     """tan: output scale min(s, 1)."""
     return _evaluate(lax.tan_p, x, _linear, params)
 
 
-@register_scale_rule(lax.tanh_p, properties=Property.ELEMENTWISE)
+@register_scale_rule(lax.tanh_p, properties=Property.FOLDS_SCALARS)
 def tanh_rule(x: Value, **params) -> ScaledArray:
     """tanh: output scale min(s, 1)."""
     return _evaluate(lax.tanh_p, x, _linear, params)
 
 
-@register_scale_rule(lax.sinh_p)
+@register_scale_rule(lax.sinh_p, properties=Property.POINTWISE)
 def sinh_rule(x: Value, **params) -> ScaledArray:
     """sinh: output scale min(s, 1)."""
     return _evaluate(lax.sinh_p, x, _linear, params)
 
 
-@register_scale_rule(lax.atan_p)
+@register_scale_rule(lax.atan_p, properties=Property.POINTWISE)
 def atan_rule(x: Value, **params) -> ScaledArray:
     """atan: output scale min(s, 1)."""
     return _evaluate(lax.atan_p, x, _linear, params)
 
 
-@register_scale_rule(lax.erf_p)
+@register_scale_rule(lax.erf_p, properties=Property.POINTWISE)
 def erf_rule(x: Value, **params) -> ScaledArray:
     """erf: output scale min(s, 1)."""
     return _evaluate(lax.erf_p, x, _linear, params)
 
 
-@register_scale_rule(lax.erf_inv_p)
+@register_scale_rule(lax.erf_inv_p, properties=Property.POINTWISE)
 def erf_inv_rule(x: Value, **params) -> ScaledArray:
     """erf_inv: output scale min(s, 1), floored so that |erf_inv| <= 6 fits."""
     return _evaluate(lax.erf_inv_p, x, _linear, params, bound=6.0)
 
 
-@register_scale_rule(lax.expm1_p, properties=Property.ELEMENTWISE)
+@register_scale_rule(lax.expm1_p, properties=Property.FOLDS_SCALARS)
 def expm1_rule(x: Value, **params) -> ScaledArray:
     """expm1: output scale min(s, 1)."""
     return _evaluate(lax.expm1_p, x, _linear, params)
 
 
-@register_scale_rule(lax.log1p_p, properties=Property.ELEMENTWISE)
+@register_scale_rule(lax.log1p_p, properties=Property.FOLDS_SCALARS)
 def log1p_rule(x: Value, **params) -> ScaledArray:
     """log1p: output scale min(s, 1)."""
     return _evaluate(lax.log1p_p, x, _linear, params)
 
 
-@register_scale_rule(lax.asin_p)
+@register_scale_rule(lax.asin_p, properties=Property.POINTWISE)
 def asin_rule(x: Value, **params) -> ScaledArray:
     """asin: output scale min(s, 1), floored so that |asin| <= pi/2 fits."""
     return _evaluate(lax.asin_p, x, _linear, params, bound=math.pi / 2)
 
 
-@register_scale_rule(lax.atanh_p)
+@register_scale_rule(lax.atanh_p, properties=Property.POINTWISE)
 def atanh_rule(x: Value, **params) -> ScaledArray:
     """atanh: output scale min(s, 1)."""
     return _evaluate(lax.atanh_p, x, _linear, params)
 
 
-@register_scale_rule(lax.asinh_p)
+@register_scale_rule(lax.asinh_p, properties=Property.POINTWISE)
 def asinh_rule(x: Value, **params) -> ScaledArray:
     """asinh: output scale min(s, 1) (asinh grows like log |x|: O(1) for large inputs)."""
     return _evaluate(lax.asinh_p, x, _linear, params)
 
 
-@register_scale_rule(lax.acos_p)
+@register_scale_rule(lax.acos_p, properties=Property.POINTWISE)
 def acos_rule(x: Value, **params) -> ScaledArray:
     """acos: output scale 1, floored so that acos <= pi fits."""
     return _evaluate(lax.acos_p, x, _unit, params, bound=math.pi)
 
 
-@register_scale_rule(lax.acosh_p)
+@register_scale_rule(lax.acosh_p, properties=Property.POINTWISE)
 def acosh_rule(x: Value, **params) -> ScaledArray:
     """acosh: output scale 1 (acosh grows like log x)."""
     return _evaluate(lax.acosh_p, x, _unit, params)
@@ -218,13 +218,13 @@ def _digamma_estimate(s: jax.Array) -> jax.Array:
     return jnp.where(s < 1, pow2_reciprocal(s), jnp.maximum(_log_of_scale(s), 1))
 
 
-@register_scale_rule(lax.lgamma_p)
+@register_scale_rule(lax.lgamma_p, properties=Property.POINTWISE)
 def lgamma_rule(x: Value, **params) -> ScaledArray:
     """lgamma: output scale ``max(1, |ln s| max(1, s))``."""
     return _evaluate(lax.lgamma_p, x, _lgamma_estimate, params)
 
 
-@register_scale_rule(lax.digamma_p)
+@register_scale_rule(lax.digamma_p, properties=Property.POINTWISE)
 def digamma_rule(x: Value, **params) -> ScaledArray:
     """digamma: output scale ``1/s`` for ``s < 1``, else ``max(1, ln s)``."""
     return _evaluate(lax.digamma_p, x, _digamma_estimate, params)
@@ -236,7 +236,7 @@ def _trigamma_estimate(s: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.where(s < 1, inverse * inverse, inverse), np.float32(2.0**127))
 
 
-@register_scale_rule(lax.polygamma_p)
+@register_scale_rule(lax.polygamma_p, properties=Property.POINTWISE)
 def polygamma_rule(m: Value, x: Value, **params) -> ScaledArray:
     """polygamma(m, x) on the values in float32; output scale that of ``m = 1`` (digamma's
     derivative, the usual case): ``1/s^2`` for ``s < 1``, else ``1/s``."""
@@ -250,7 +250,7 @@ def _scale_exponent(x: ScaledArray) -> jax.Array:
     return pow2_exponent(scale_f32(x))
 
 
-@register_scale_rule(lax.log_p, properties=Property.ELEMENTWISE)
+@register_scale_rule(lax.log_p, properties=Property.FOLDS_SCALARS)
 def log_rule(x: Value, **params) -> ScaledArray:
     """log: log(m) + n·ln2 with data = m·2^k, n = k + log2 s exact; scale max(1, |ln s|)."""
     x = as_scaled(x)
@@ -310,7 +310,7 @@ def _frexp_near_one(data: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.where(low, 2 * mantissa, mantissa), jnp.where(low, k - 1, k)
 
 
-@register_scale_rule(lax.atan2_p)
+@register_scale_rule(lax.atan2_p, properties=Property.POINTWISE)
 def atan2_rule(y: Value, x: Value, **params) -> ScaledArray:
     """atan2: operands aligned to their larger scale; output scale min(1, sy/sx), floored for pi."""
     y, x = as_scaled(y), as_scaled(x)
@@ -336,7 +336,7 @@ def _pow2_estimate(log2_estimate: jax.Array) -> jax.Array:
     return round_scale(jnp.ldexp(fraction, whole.astype(jnp.int32)))
 
 
-@register_scale_rule(lax.pow_p, properties=Property.ELEMENTWISE)
+@register_scale_rule(lax.pow_p, properties=Property.FOLDS_SCALARS)
 def pow_rule(x: Value, y: Value, **params) -> ScaledArray:
     """pow: x^y = dx^y · 2^(ex·y - K) · 2^K (sx = 2^ex); output scale 2^K ~ sx^mean(y).
 
@@ -352,13 +352,3 @@ def pow_rule(x: Value, y: Value, **params) -> ScaledArray:
     shift = (ex * hi - pow2_exponent(scale).astype(wide)) + ex * lo
     value = lax.pow(*jnp.broadcast_arrays(x.data.astype(wide), p)) * jnp.exp2(shift)
     return ScaledArray(value.astype(x.dtype), make_scale(scale, x, y))
-
-
-# Pointwise primitives: on block-scaled operands their rules above run on every block.
-for _pointwise in (
-    lax.exp_p, lax.exp2_p, lax.log_p, lax.log1p_p, lax.expm1_p, lax.tanh_p, lax.logistic_p,
-    lax.sin_p, lax.cos_p, lax.tan_p, lax.asin_p, lax.acos_p, lax.atan_p, lax.atan2_p,
-    lax.sinh_p, lax.cosh_p, lax.asinh_p, lax.acosh_p, lax.atanh_p, lax.erf_p, lax.erfc_p,
-    lax.erf_inv_p, lax.lgamma_p, lax.digamma_p, lax.polygamma_p, lax.pow_p,
-):  # fmt: skip
-    declare(_pointwise, properties=Property.POINTWISE)

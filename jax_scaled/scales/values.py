@@ -287,8 +287,3 @@ def wide_data(x: Value, scale: jax.Array, *, pow2_target: bool = False) -> jax.A
         return data
     ratio = ratio_to_pow2 if pow2_target else safe_ratio
     return times_scalar(data, ratio(own_scale, scale))
-
-
-# ---------------------------------------------------------------------------------------
-# Range guard for narrow data (ScalifyConfig.guard)
-# ---------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -241,12 +242,21 @@ def _run_scan(
     return _carry_slots(carry) + [unpack(y) for unpack, y in zip(y_forms, ys, strict=True)]
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedSlot(Slot):
+    """A scan's stacked output whose rows had scales of their own. ``rows`` keeps
+    ``(data, per-row scales)``, so that a later scan over it reads the rows without a rescale.
+    """
+
+    rows: tuple = ()
+
+
 def _scanned_form(slot: Slot) -> tuple[Any, Callable[[Any], Slot]]:
     """What ``lax.scan`` slices for an ``xs`` input, and how to rebuild one iteration's slot."""
     value = slot.value
     if not isinstance(value, ScaledArray):  # facts of a broadcast hold for each slice
         return value, functools.partial(rebound, slot)
-    if slot.rows is not None:  # per-row scales of an earlier scan's output: no rescale needed
+    if isinstance(slot, StackedSlot):  # an earlier scan's rows keep their scales: no rescale
         return slot.rows, lambda row: Slot(ScaledArray._trusted(*row))
     return value.data, lambda data: Slot(ScaledArray._trusted(data, value.scale))
 
@@ -281,7 +291,7 @@ def _unify_rows(rows: tuple[jax.Array, jax.Array]) -> Slot:
         rescale(data, ratio.reshape(ratio.shape + (1,) * (data.ndim - 1))),
         common.astype(scales.dtype),
     )
-    return Slot(unified, rows=rows)
+    return StackedSlot(unified, rows=rows)
 
 
 # ---------------------------------------------------------------------------------------
