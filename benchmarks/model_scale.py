@@ -1,0 +1,361 @@
+"""Program size, build time and step time of the Table 3 GPT's train step as it grows.
+
+    python benchmarks/model_scale.py                                   # everything: long
+    python benchmarks/model_scale.py --layers 1 --reps 2              # one layer, quick
+    python benchmarks/model_scale.py --layers 1,2 --layouts scan --configs fp32,fp8_scalify
+    python benchmarks/model_scale.py --out docs/results/model_scale.md
+
+One train step (loss, gradients, Adam update) of the GPT of ``experiments/gpt.py`` at
+``experiments/table3.py``'s full size (width 128, 4 heads, batch 16 x context 128, vocabulary
+96 as in ``benchmarks/table3_compile.py``), for each number of layers (``--layers``), layout
+and configuration. Layouts:
+
+* ``unrolled``: the model as written, one ``Block`` per layer in a Python loop;
+* ``scan``: the same blocks under ``flax.linen.scan`` (:class:`ScanGPT`), their parameters
+  stacked on a leading axis, so the program holds one block whatever the depth.
+
+Configurations (``--configs``): ``fp32`` and the scalify ones (``fp16_scalify``,
+``fp8_scalify``, ``fp8_policy_scalify``, ``mxfp8_scalify``, any of ``table3.PRECISIONS``) are
+built as ``experiments/table3.py`` builds them; ``bf16`` is plain bfloat16 compute on float32
+master weights and Adam state; ``qwix_fp8`` is the same bf16 step with the unmodified model
+handed to qwix's quantized training (``qwix.quantize_model(model, qwix.QtProvider([rule]))``,
+rule :data:`QWIX_RULE`: the blocks' weight matmuls ``qkv``, ``proj`` and ``fc`` take E4M3
+operands forward and an E5M2 output gradient backward; attention products and the output head
+stay bf16, as in ``fp8_scalify``). Its rows are skipped, with a message, without qwix
+(``pip install -e '.[bench]'``).
+
+Columns:
+
+* *jaxpr eqns*: equations of the traced step's jaxpr, sub-jaxprs included (a ``scan`` or
+  ``pjit`` body counted once where it appears, not once per iteration);
+* *HLO instrs*: instructions of the compiled (optimised) HLO module, all computations;
+* *trace / lower / compile s*: ``jax.jit(step).trace(...)``, ``.lower()``, ``.compile()``,
+  fresh (nothing cached) and once per row;
+* *step ms*: median wall time of one step (blocked); after one untimed call, the rows of a
+  (layers, layout) group run one step each in turn, ``--reps`` rounds, so machine noise falls
+  on all of them alike;
+* *FP8 dots*: ``stablehlo.dot_general`` and ``stablehlo.convolution`` ops of the lowered
+  StableHLO text with an 8-bit float operand (forward and backward; a ``scan`` body counted
+  once). On CPU, XLA later computes them in wider types; the count is what each method asks of
+  the compiler;
+* *vs fp32*: (trace + lower + compile) and step time over ``fp32``'s, same layers and layout;
+* *vs qwix*: the same over ``qwix_fp8``'s, for the scalify FP8 configurations.
+
+Rows print as each (layers, layout) group finishes; ``--out`` also (re)writes the markdown
+table to a file after each group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Jaxpr, jaxprs_in_params
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax_scaled as js  # noqa: E402
+from experiments import gpt, table3  # noqa: E402
+
+BF16 = jnp.dtype(jnp.bfloat16)
+QWIX = "qwix_fp8"
+VOCAB = 96  # benchmarks/table3_compile.py's
+SIZE = table3.SIZES["full"]  # width 128, heads 4, batch 16 x context 128
+PRECISIONS: dict[str, table3.Precision] = {
+    **table3.PRECISIONS,
+    "bf16": table3.Precision("bf16", "", compute_dtype=BF16),
+    QWIX: table3.Precision(QWIX, "", compute_dtype=BF16),
+}
+DEFAULT_CONFIGS = ("fp32", "bf16", QWIX, "fp16_scalify", "fp8_scalify", "fp8_policy_scalify",
+                   "mxfp8_scalify")  # fmt: skip
+LAYOUTS = ("unrolled", "scan")
+QWIX_RULE_PATH = r"(.*/)?(qkv|proj|fc)"  # the blocks' Dense modules, unrolled or scanned
+FP8_DOT = re.compile(r"stablehlo\.(?:dot_general|convolution)\b.*: \(([^)]*)\) ->")
+HEADER = ("layers", "layout", "config", "jaxpr eqns", "HLO instrs", "trace s", "lower s",
+          "compile s", "step ms", "FP8 dots", "vs fp32 (build, step)",
+          "vs qwix (build, step)")  # fmt: skip
+
+
+class ScannedBlock(nn.Module):
+    """:class:`experiments.gpt.Block` as a ``(carry, x) -> (carry, y)`` body for ``nn.scan``."""
+
+    config: gpt.GPTConfig
+    numerics: gpt.Numerics
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        return gpt.Block(self.config, self.numerics, name="block")(x), None
+
+
+class ScanGPT(gpt.GPT):
+    """:class:`experiments.gpt.GPT` with its blocks under ``nn.scan`` (parameters stacked)."""
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.config
+        init = nn.initializers.normal(0.02)
+        wte = self.param("wte", init, (cfg.vocab_size, cfg.width), jnp.float32)
+        wpe = self.param("wpe", init, (cfg.context, cfg.width), jnp.float32)
+        x = jnp.take(wte, tokens, axis=0) + wpe[: tokens.shape[1]]
+        blocks = nn.scan(ScannedBlock, variable_axes={"params": 0},
+                         split_rngs={"params": True}, length=cfg.layers)  # fmt: skip
+        x, _ = blocks(cfg, self.numerics, name="blocks")(x, None)
+        x = gpt.LayerNorm(self.numerics, name="ln_f")(x)
+        head = dataclasses.replace(self.numerics, fp8_matmuls=False, block=None)
+        head = self.numerics if self.numerics.fp8_head else head
+        if cfg.tie_embeddings:
+            return gpt.dense(x, wte.T, None, head)
+        return gpt.Dense(cfg.vocab_size, head, use_bias=False, name="head")(x)
+
+
+@dataclasses.dataclass
+class Row:
+    """One configuration's measurements (``step_s`` filled by :func:`time_steps`)."""
+
+    layers: int
+    layout: str
+    config: str
+    eqns: int = 0
+    hlo: int = 0
+    trace: float = 0.0
+    lower: float = 0.0
+    compile: float = 0.0
+    fp8_dots: int = 0
+    step_s: float = float("nan")
+    error: str = ""
+
+    @property
+    def build(self) -> float:
+        """Trace + lower + compile seconds."""
+        return self.trace + self.lower + self.compile
+
+
+def qwix_missing() -> str | None:
+    """Why ``qwix_fp8`` cannot run (qwix not importable), or ``None``."""
+    try:
+        import qwix  # noqa: F401
+    except ImportError as e:
+        return f"{QWIX}: skipped, qwix is not installed ({e}); pip install -e '.[bench]'"
+    return None
+
+
+def qwix_model(model: nn.Module) -> nn.Module:
+    """``model`` under qwix quantized training: E4M3 forward, E5M2 backward, blocks' Dense."""
+    import qwix
+
+    rule = qwix.QtRule(module_path=QWIX_RULE_PATH, weight_qtype=gpt.E4M3,
+                       act_qtype=gpt.E4M3, bwd_qtype=gpt.E5M2)  # fmt: skip
+    return qwix.quantize_model(model, qwix.QtProvider([rule]))
+
+
+def make_model(name: str, config: gpt.GPTConfig, layout: str) -> nn.Module:
+    """The flax model of configuration ``name`` in ``layout`` (qwix-wrapped for ``qwix_fp8``)."""
+    model = (ScanGPT if layout == "scan" else gpt.GPT)(config, PRECISIONS[name].numerics)
+    return qwix_model(model) if name == QWIX else model
+
+
+def init_params(config: gpt.GPTConfig, layout: str, seed: int) -> Any:
+    """Float32 parameters of the plain model in ``layout``."""
+    model = (ScanGPT if layout == "scan" else gpt.GPT)(config)
+    tokens = jnp.zeros((1, config.context), jnp.int32)
+    return jax.jit(model.init)(jax.random.key(seed), tokens)["params"]  # jit: one compile
+
+
+def build(name: str, size: table3.TrainConfig, layout: str, params: Any) -> table3.Runner:
+    """``name``'s jitted step and initial state, as ``table3.build`` makes them."""
+    precision = PRECISIONS[name]
+    model = make_model(name, size.model_config(VOCAB), layout)
+    loss, opt = table3.make_loss(model, precision), table3.make_optimizer(size, precision)
+    if precision.loss_scaling:
+        step = table3.make_loss_scaled_step(loss, opt, size.loss_scale_period)
+    else:
+        step = table3.make_step(loss, opt, precision)
+    step = jax.jit(js.scalify(step) if precision.scalify else step)
+    state = table3.initial_state(params, opt, precision, size)
+    return table3.Runner(precision, state, step, loss)
+
+
+def all_jaxprs(jaxpr: Jaxpr) -> Iterator[Jaxpr]:
+    """``jaxpr`` and its sub-jaxprs at every depth (each occurrence once)."""
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for sub in jaxprs_in_params(eqn.params):
+            yield from all_jaxprs(sub)
+
+
+def count_eqns(jaxpr: Jaxpr) -> int:
+    """Equations of ``jaxpr``, sub-jaxprs included."""
+    return sum(len(j.eqns) for j in all_jaxprs(jaxpr))
+
+
+def hlo_instructions(hlo_text: str) -> int:
+    """Instructions of an HLO module's text (as ``benchmarks/compile_breakdown.py`` counts)."""
+    return sum(1 for line in hlo_text.splitlines() if " = " in line)
+
+
+def fp8_dots(stablehlo_text: str) -> int:
+    """``dot_general`` / ``convolution`` ops of a StableHLO module with an f8 operand.
+
+    Example:
+        >>> fp8_dots("%2 = stablehlo.dot_general %0, %1 : (tensor<4xf8E4M3FN>, "
+        ...          "tensor<4xbf16>) -> tensor<bf16>")
+        1
+    """
+    return sum("f8" in m.group(1) for m in FP8_DOT.finditer(stablehlo_text))
+
+
+def measure(row: Row, runner: table3.Runner, batch: tuple[np.ndarray, np.ndarray]) -> Callable:
+    """Trace, lower and compile ``runner``'s step fresh, filling ``row``; the executable."""
+    start = time.perf_counter()
+    traced = runner.step.trace(*runner.state, *batch)
+    traced_at = time.perf_counter()
+    lowered = traced.lower()
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    row.trace, row.lower = traced_at - start, lowered_at - traced_at
+    row.compile = time.perf_counter() - lowered_at
+    row.eqns = count_eqns(traced.jaxpr.jaxpr)
+    row.hlo, row.fp8_dots = hlo_instructions(compiled.as_text()), fp8_dots(lowered.as_text())
+    return compiled
+
+
+def batch_of(size: table3.TrainConfig, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Fixed random ``(inputs, targets)`` token ids, ``[batch, context]`` each."""
+    tokens = np.random.default_rng(seed).integers(0, VOCAB, (size.batch_size, size.context + 1))
+    return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
+
+
+def prepare(
+    name: str, size: table3.TrainConfig, layout: str, params: Any, batch: tuple
+) -> tuple[Row, Callable | None, tuple]:
+    """``name``'s row (counts and build times) and its compiled step with its arguments;
+    ``None`` for the step when it failed (``row.error`` says why)."""
+    row = Row(size.layers, layout, name)
+    try:
+        runner = build(name, size, layout, params)
+        compiled = measure(row, runner, batch)
+        args = (*runner.state, *batch)
+        jax.block_until_ready(compiled(*args))  # untimed first run
+        return row, compiled, args
+    except Exception as e:  # a configuration that fails still leaves its row
+        row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        return row, None, ()
+
+
+def time_steps(steps: Sequence[tuple[Row, Callable | None, tuple]], reps: int) -> None:
+    """``reps`` rounds of one step of each compiled program in turn; medians into the rows."""
+    times: dict[int, list[float]] = {i: [] for i, (_, step, _) in enumerate(steps) if step}
+    for _ in range(reps):
+        for i in times:
+            _, step, args = steps[i]
+            start = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            times[i].append(time.perf_counter() - start)
+    for i, samples in times.items():
+        steps[i][0].step_s = statistics.median(samples)
+
+
+def run_group(
+    names: Sequence[str], size: table3.TrainConfig, layout: str, reps: int, seed: int = 0
+) -> list[Row]:
+    """Every configuration of ``names`` at ``size.layers`` layers in ``layout``, timed."""
+    params, batch = init_params(size.model_config(VOCAB), layout, seed), batch_of(size, seed)
+    steps = []
+    for name in names:
+        steps.append(prepare(name, size, layout, params, batch))
+        row = steps[-1][0]
+        print(f"  built {size.layers} x {layout} {name}: {row.build:.1f} s {row.error}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    time_steps(steps, reps)
+    return [row for row, _, _ in steps]
+
+
+def ratio(row: Row, ref: Row | None) -> str:
+    """``build, step`` of ``row`` over ``ref``'s, or ``-``."""
+    if ref is None or row is ref or row.error or ref.error:
+        return "-"
+    return f"{row.build / ref.build:.2f}x, {row.step_s / ref.step_s:.2f}x"
+
+
+def table_lines(rows: Sequence[Row], header: bool = True) -> list[str]:
+    """Markdown rows for ``rows`` (one layers x layout group), with ratio columns."""
+    by_name = {r.config: r for r in rows}
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)] if header else []
+    for r in rows:
+        if r.error:
+            cells = [str(r.layers), r.layout, f"`{r.config}`", f"failed: {r.error}"]
+            lines.append("| " + " | ".join(cells + [""] * (len(HEADER) - 4)) + " |")
+            continue
+        fp8_scalify = PRECISIONS[r.config].scalify and PRECISIONS[r.config].fp8
+        cells = [str(r.layers), r.layout, f"`{r.config}`", str(r.eqns), str(r.hlo),
+                 f"{r.trace:.2f}", f"{r.lower:.2f}", f"{r.compile:.2f}",
+                 f"{1e3 * r.step_s:.1f}", str(r.fp8_dots), ratio(r, by_name.get("fp32")),
+                 ratio(r, by_name.get(QWIX)) if fp8_scalify else "-"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def warm_up() -> None:
+    """Build and run a tiny ``fp32`` step once, untimed, so the first row pays no JAX
+    start-up cost."""
+    tiny = dataclasses.replace(SIZE, width=16, heads=2, context=8, batch_size=2, layers=1)
+    params = init_params(tiny.model_config(VOCAB), "unrolled", 0)
+    prepare("fp32", tiny, "unrolled", params, batch_of(tiny))
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line; ``--configs`` checked against :data:`PRECISIONS`."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="1,2,4,8", help="comma-separated layer counts")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated, from: {', '.join(PRECISIONS)}")  # fmt: skip
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="unrolled and/or scan")
+    parser.add_argument("--reps", type=int, default=10, help="timed rounds of steps")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    args = parser.parse_args(argv)
+    args.layers = [int(n) for n in args.layers.split(",") if n.strip()]
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    args.layouts = [c.strip() for c in args.layouts.split(",") if c.strip()]
+    if unknown := sorted(set(args.configs) - PRECISIONS.keys()):
+        parser.error(f"unknown configuration(s) {unknown}; known: {list(PRECISIONS)}")
+    if unknown := sorted(set(args.layouts) - set(LAYOUTS)):
+        parser.error(f"unknown layout(s) {unknown}; known: {list(LAYOUTS)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if QWIX in args.configs and (message := qwix_missing()):
+        print(message, flush=True)
+        args.configs.remove(QWIX)
+    command = "python benchmarks/model_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    device = f"jax {jax.__version__} on {jax.devices()[0].device_kind}"
+    sizes = f"width {SIZE.width}, batch {SIZE.batch_size} x context {SIZE.context}"
+    intro = [f"`{command.strip()}`", "", f"{device}, {sizes}", ""]
+    warm_up()
+    lines = table_lines([])
+    print("\n".join(intro + lines), flush=True)
+    for layers in args.layers:
+        size = dataclasses.replace(SIZE, layers=layers)
+        for layout in args.layouts:
+            group = table_lines(run_group(args.configs, size, layout, args.reps), header=False)
+            print("\n".join(group), flush=True)
+            lines += group
+            if args.out:
+                pathlib.Path(args.out).write_text("\n".join(intro + lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""Smoke test of ``benchmarks/model_scale.py`` on a tiny GPT (a few seconds): the fp32 row's
+counts and timings, FP8 dots in the lowered FP8 steps, the table's ratio columns."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("flax")
+
+
+def _load():
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "model_scale.py"
+    spec = importlib.util.spec_from_file_location("model_scale", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("model_scale", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+ms = _load()
+TINY = dataclasses.replace(ms.SIZE, width=16, heads=2, context=8, batch_size=2, layers=1)
+
+
+def test_fp32_scan_row_counts_and_times():
+    params = ms.init_params(TINY.model_config(ms.VOCAB), "scan", 0)
+    row, step, args = ms.prepare("fp32", TINY, "scan", params, ms.batch_of(TINY))
+    assert not row.error and step is not None
+    assert row.eqns > 0 and row.hlo > 0 and row.fp8_dots == 0 and row.build > 0
+    ms.time_steps([(row, step, args)], reps=2)
+    assert math.isfinite(row.step_s) and row.step_s > 0
+
+
+def _lowered_fp8_dots(name: str, layout: str) -> int:
+    params = ms.init_params(TINY.model_config(ms.VOCAB), layout, 0)
+    runner = ms.build(name, TINY, layout, params)
+    return ms.fp8_dots(runner.step.lower(*runner.state, *ms.batch_of(TINY)).as_text())
+
+
+def test_fp8_scalify_lowers_fp8_dots():
+    assert _lowered_fp8_dots("fp8_scalify", "unrolled") > 0
+
+
+def test_qwix_fp8_lowers_fp8_dots():
+    pytest.importorskip("qwix")
+    assert _lowered_fp8_dots(ms.QWIX, "scan") > 0
+
+
+def test_table_ratios():
+    rows = [ms.Row(1, "scan", name, 10, 20, 0.1, 0.1, 0.8, 1, 0.01) for name in
+            ("fp32", ms.QWIX, "fp8_scalify")]  # fmt: skip
+    rows[2].compile, rows[2].step_s = 1.8, 0.02
+    lines = ms.table_lines(rows)
+    assert len(lines) == 5 and lines[-1].endswith("| 2.00x, 2.00x | 2.00x, 2.00x |")
+    assert lines[2].endswith("| - | - |")
+
+
+def test_unknown_config_is_an_error():
+    with pytest.raises(SystemExit):
+        ms.parse_args(["--configs", "fp64"])
