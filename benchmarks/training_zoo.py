@@ -152,12 +152,15 @@ model. *test acc*: accuracy on the 450 test images after the last step, from log
 in the mode's own numerics; *delta pp*: minus fp32's, in percentage points; *final loss*:
 the last training batch's loss; *finite*: every step's loss finite (else the first
 non-finite step); *pass*: finite, and delta >= -1 pp or a test loss within 1% of fp32's.
-Modes: `readme` float16 ScaledArray parameters and inputs, `js.optim.scaled_state(opt)`
-state, `jax.jit(js.scalify(step))`; `raw_fp16_state` the same with plain optax on
+Modes: `readme` the README's quickstart: ScaledArray parameters of float32 data (master
+weights), `js.optim.scaled_state(opt)` state (float16, a scale per 32 elements), float16
+ScaledArray inputs, `jax.jit(js.scalify(step))`; `fp16_params` the same with float16
+parameters; `raw_fp16_state` `fp16_params` with plain optax on
 `js.tree.astype(js.as_scaled_array(opt.init(params)), jnp.float16)` (known to fail where a
 per-tensor float16 second moment flushes); `fp8` `readme` with `js.dot_formats(loss)`, E4M3
 forward and E5M2 backward on every contraction but the classifier head (kept 16-bit, as FP8
-recipes and Table 3's `fp8_policy_scalify` do); `mxfp8` the same with `block=js.nn.MXFP8`
+recipes and Table 3's `fp8_policy_scalify` do), float32 master weights as FP8 recipes keep
+them; `mxfp8` the same with `block=js.nn.MXFP8`
 (dense contractions whose sizes blocks of 32 tile; convolutions, attention and the GRU's
 per-step matmuls that blocks do not tile keep per-tensor FP8)."""
 

@@ -24,7 +24,7 @@ KNOWN = "raw_fp16_state: per-tensor float16 Adam second moment flushes, loss goe
 CELLS = [
     ("transformer", "adam", "readme"),
     ("gru", "lion", "readme"),
-    ("cnn", "rmsprop", "readme"),
+    ("cnn", "rmsprop", "fp16_params"),
     ("mlp", "adamw", "fp8"),
     ("cnn", "sgd", "fp8"),
     ("gru", "adabelief", "fp8"),
