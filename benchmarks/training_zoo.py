@@ -47,16 +47,30 @@ TOLERANCE_PP = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """A cell and its verdict against fp32 (``None`` for the fp32 cell itself)."""
+    """A cell's runs (one, or one per jitter with --ensemble) and its fp32 reference's."""
 
-    result: zoo.CellResult  # with --ensemble: the runs' mean (see ensemble_mean)
-    reference: zoo.CellResult
-    accuracies: tuple[float, ...] = ()  # each run's test accuracy, with --ensemble
+    runs: tuple[zoo.CellResult, ...]
+    reference_runs: tuple[zoo.CellResult, ...]
+
+    @property
+    def result(self) -> zoo.CellResult:
+        return ensemble_mean(self.runs)
+
+    @property
+    def reference(self) -> zoo.CellResult:
+        return ensemble_mean(self.reference_runs)
+
+    @property
+    def accuracies(self) -> tuple[float, ...]:
+        return tuple(r.test_accuracy for r in self.runs)
 
     @property
     def verdict(self) -> zoo.Verdict | None:
-        if self.result.mode == "fp32":
+        """None for the fp32 cell itself; a non-inferiority test for ensembles."""
+        if self.runs[0].mode == "fp32":
             return None
+        if len(self.runs) > 1 and len(self.reference_runs) > 1:
+            return zoo.ensemble_verdict(self.runs, self.reference_runs, TOLERANCE_PP)
         return zoo.verdict(self.result, self.reference, TOLERANCE_PP)
 
 
@@ -74,13 +88,22 @@ def cells(row: Row) -> tuple[str, ...]:
         spread = f" ({100 * min(row.accuracies):.2f}-{100 * max(row.accuracies):.2f})"
     return (r.model, r.optimizer, r.mode, f"{100 * r.test_accuracy:.2f}%{spread}",
             f"{100 * row.reference.test_accuracy:.2f}%",
-            "-" if v is None else f"{v.accuracy_delta_pp:+.2f}", f"{r.losses[-1]:.4f}",
+            _delta(v), f"{r.losses[-1]:.4f}",
             finite, _mark(v), f"{r.wall_s:.0f}")  # fmt: skip
+
+
+def _delta(v: zoo.Verdict | None) -> str:
+    if v is None:
+        return "-"
+    allowance = f" (noise {v.allowance_pp:.2f})" if v.allowance_pp else ""
+    return f"{v.accuracy_delta_pp:+.2f}{allowance}"
 
 
 def ensemble_mean(results: Sequence[zoo.CellResult]) -> zoo.CellResult:
     """One result for runs of the same cell: mean accuracy, test loss and per-step loss (a
     non-finite step of any run stays non-finite), total wall time."""
+    if len(results) == 1:
+        return results[0]
     losses = np.mean([r.losses for r in results], axis=0).tolist()
     return dataclasses.replace(
         results[0],
@@ -138,12 +161,52 @@ def _settings(meta: dict) -> str:
 def _cell_json(row: Row) -> dict:
     r, v = row.result, row.verdict
     data = dataclasses.asdict(r)
-    data["losses"] = [x if math.isfinite(x) else None for x in r.losses]
-    data["test_loss"] = r.test_loss if math.isfinite(r.test_loss) else None
+    data["losses"] = [_finite_or_none(x) for x in r.losses]
+    data["test_loss"] = _finite_or_none(r.test_loss)
     data["finite"] = r.finite
     data["verdict"] = None if v is None else dataclasses.asdict(v)
-    data["accuracies"] = list(row.accuracies)
+    if len(row.runs) > 1:
+        data["runs"] = [{"test_accuracy": x.test_accuracy, "test_loss": _finite_or_none(
+            x.test_loss), "finite": x.finite} for x in row.runs]  # fmt: skip
     return data
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def rows_from_json(payload: dict) -> list[Row]:
+    """The rows of a written report (``NAME.json``), to judge again with today's criterion.
+    An ensemble's runs come back with their accuracy, test loss and finiteness, and the
+    cell's mean per-step losses."""
+    rows, reference = [], ()
+    for cell in payload["cells"]:
+        losses = [math.nan if x is None else x for x in cell["losses"]]
+        test_loss = math.nan if cell["test_loss"] is None else cell["test_loss"]
+        mean = zoo.CellResult(cell["model"], cell["optimizer"], cell["mode"], cell["steps"],
+                              losses, cell["test_accuracy"], test_loss, cell["wall_s"])  # fmt: skip
+        records = _runs_json(cell)
+        runs = tuple(_run_from_json(mean, run, len(records)) for run in records) or (mean,)
+        if cell["mode"] == "fp32":
+            reference = runs
+        rows.append(Row(runs, reference))
+    return rows
+
+
+def _runs_json(cell: dict) -> list[dict]:
+    """Per-run records; reports written before they were kept hold only the accuracies (the
+    runs then share the cell's mean test loss and finiteness)."""
+    if "runs" in cell:
+        return cell["runs"]
+    return [{"test_accuracy": a, "test_loss": cell["test_loss"], "finite": cell["finite"]}
+            for a in cell.get("accuracies", [])]  # fmt: skip
+
+
+def _run_from_json(mean: zoo.CellResult, run: dict, count: int) -> zoo.CellResult:
+    loss = math.nan if run["test_loss"] is None else run["test_loss"]
+    losses = mean.losses if run["finite"] else [*mean.losses[:-1], math.nan]
+    return dataclasses.replace(mean, losses=losses, test_accuracy=run["test_accuracy"],
+                               test_loss=loss, wall_s=mean.wall_s / count)  # fmt: skip
 
 
 READING = """\
@@ -186,6 +249,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="docs/results", help="directory of the report ('': none)")
     parser.add_argument("--name", default="training_zoo", help="file name of the report")
+    parser.add_argument("--rejudge", metavar="JSON", default=None,
+                        help="judge a written report again with today's criterion and rewrite "
+                        "it (no training)")  # fmt: skip
     args = parser.parse_args(argv)
     for name, known in (("models", zoo.MODELS), ("optimizers", zoo.OPTIMIZERS),
                         ("modes", zoo.MODES)):  # fmt: skip
@@ -198,9 +264,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def rejudge(path: pathlib.Path) -> int:
+    """Rewrite the report ``path`` (``NAME.json``) and its ``NAME.md`` with today's verdicts."""
+    payload = json.loads(path.read_text())
+    rows = rows_from_json(payload)
+    write(path.parent, rows, payload["meta"], path.stem)
+    print("\n".join(summary(rows)))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the selected grid; exit status 1 if a cell other than raw_fp16_state fails."""
     args = parse_args(argv)
+    if args.rejudge:
+        return rejudge(pathlib.Path(args.rejudge))
     command = "python benchmarks/training_zoo.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
@@ -217,10 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs = [zoo.run_cell(model, optimizer, mode, args.steps, jitter=j,
                                      batch_size=args.batch_size, seed=args.seed)
                         for j in range(args.ensemble)]  # fmt: skip
-                result = ensemble_mean(runs)
-                reference = reference or result
-                accuracies = tuple(r.test_accuracy for r in runs) if args.ensemble > 1 else ()
-                rows.append(Row(result, reference, accuracies))
+                reference = reference or tuple(runs)
+                rows.append(Row(tuple(runs), reference))
                 print(" | ".join(cells(rows[-1])), flush=True)
                 meta["ran"].append(f"{model}/{optimizer}/{mode}")
                 meta["wall_s"] = time.perf_counter() - start

@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import scipy.stats
 
 import jax_scaled as js
 from experiments.digits import batch_indices, load_digits_dataset
@@ -388,6 +389,7 @@ class Verdict:
     accuracy_delta_pp: float  # test accuracy minus fp32's, percentage points
     finite: bool
     passed: bool
+    allowance_pp: float = 0.0  # ensembles: the one-sided confidence bound of the delta's noise
 
 
 def verdict(result: CellResult, reference: CellResult, tolerance_pp: float = 1.0) -> Verdict:
@@ -405,3 +407,41 @@ def verdict(result: CellResult, reference: CellResult, tolerance_pp: float = 1.0
     close_loss = result.test_loss <= 1.01 * reference.test_loss
     passed = result.finite and (delta >= -tolerance_pp or close_loss)
     return Verdict(delta, result.finite, passed)
+
+
+def ensemble_verdict(
+    runs: Sequence[CellResult],
+    reference_runs: Sequence[CellResult],
+    tolerance_pp: float = 1.0,
+    confidence: float = 0.95,
+) -> Verdict:
+    """:func:`verdict` for several runs of a cell and of its fp32 reference (jitters of the
+    initialisation, see :func:`init_params`): a non-inferiority test of the mean accuracies
+    with margin ``tolerance_pp``. It fails when the data show, at ``confidence`` (one-sided,
+    Welch's t), that the cell is more than ``tolerance_pp`` below fp32; or when a run is not
+    finite. A mean test loss within 1% of fp32's passes, as in :func:`verdict`.
+
+    Example:
+        >>> ref = [CellResult("mlp", "adam", "fp32", 1, [2.3], a, 0.2, 1.0) for a in (0.90, 0.94)]
+        >>> low = [dataclasses.replace(r, mode="readme", test_accuracy=a - 0.02) for r, a
+        ...        in zip(ref, (0.90, 0.94))]
+        >>> v = ensemble_verdict(low, ref)
+        >>> round(v.accuracy_delta_pp, 2), v.passed, v.allowance_pp > 1
+        (-2.0, True, True)
+    """
+    accuracy = np.array([100 * r.test_accuracy for r in runs])
+    reference = np.array([100 * r.test_accuracy for r in reference_runs])
+    delta = float(accuracy.mean() - reference.mean())
+    var_a, var_r = accuracy.var(ddof=1) / len(accuracy), reference.var(ddof=1) / len(reference)
+    se = math.sqrt(var_a + var_r)
+    allowance = 0.0
+    if se > 0:
+        df = (var_a + var_r) ** 2 / (
+            var_a**2 / (len(accuracy) - 1) + var_r**2 / (len(reference) - 1)
+        )
+        allowance = float(scipy.stats.t.ppf(confidence, df) * se)
+    finite = all(r.finite for r in runs)
+    mean_loss = np.mean([r.test_loss for r in runs])
+    close_loss = mean_loss <= 1.01 * np.mean([r.test_loss for r in reference_runs])
+    passed = finite and (delta >= -tolerance_pp - allowance or bool(close_loss))
+    return Verdict(delta, finite, passed, allowance)

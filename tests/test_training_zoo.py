@@ -90,3 +90,17 @@ def test_verdict_fails_a_nonfinite_or_distant_cell():
     assert zoo.verdict(better, ref).passed and zoo.verdict(close_loss, ref).passed
     assert not zoo.verdict(nan, ref).passed and nan.first_nonfinite_step == 1
     assert not zoo.verdict(far, ref).passed and zoo.verdict(far, ref).finite
+
+
+def test_ensemble_verdict_fails_a_clear_loss_or_a_non_finite_run():
+    def runs(mode, accuracies, finite=True, test_loss=0.3):
+        losses = [2.3, 1.0 if finite else float("nan")]
+        return [zoo.CellResult("mlp", "adam", mode, 2, losses, a, test_loss, 0.0)
+                for a in accuracies]  # fmt: skip
+
+    reference = runs("fp32", [0.90, 0.91, 0.92, 0.91])
+    assert zoo.ensemble_verdict(runs("readme", [0.905, 0.90, 0.915, 0.91]), reference).passed
+    far = zoo.ensemble_verdict(runs("readme", [0.85, 0.86, 0.87, 0.86], test_loss=0.4), reference)
+    assert not far.passed and far.accuracy_delta_pp == pytest.approx(-5.0)
+    assert 0 < far.allowance_pp < 4  # the noise of four runs each: about 1.1 pp
+    assert not zoo.ensemble_verdict(runs("readme", [0.91] * 4, finite=False), reference).passed
