@@ -11,7 +11,7 @@ One train step (loss, gradients, Adam update) of the GPT of ``experiments/gpt.py
 and configuration. Layouts:
 
 * ``unrolled``: the model as written, one ``Block`` per layer in a Python loop;
-* ``scan``: the same blocks under ``flax.linen.scan`` (:class:`ScanGPT`), their parameters
+* ``scan``: the same blocks under ``flax.linen.scan`` (``GPTConfig.scan_layers``), their parameters
   stacked on a leading axis, so the program holds one block whatever the depth.
 
 Configurations (``--configs``): ``fp32`` and the scalify ones (``fp16_scalify``,
@@ -87,38 +87,6 @@ HEADER = ("layers", "layout", "config", "jaxpr eqns", "HLO instrs", "trace s", "
           "vs qwix (build, step)")  # fmt: skip
 
 
-class ScannedBlock(nn.Module):
-    """:class:`experiments.gpt.Block` as a ``(carry, x) -> (carry, y)`` body for ``nn.scan``."""
-
-    config: gpt.GPTConfig
-    numerics: gpt.Numerics
-
-    @nn.compact
-    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
-        return gpt.Block(self.config, self.numerics, name="block")(x), None
-
-
-class ScanGPT(gpt.GPT):
-    """:class:`experiments.gpt.GPT` with its blocks under ``nn.scan`` (parameters stacked)."""
-
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        cfg = self.config
-        init = nn.initializers.normal(0.02)
-        wte = self.param("wte", init, (cfg.vocab_size, cfg.width), jnp.float32)
-        wpe = self.param("wpe", init, (cfg.context, cfg.width), jnp.float32)
-        x = jnp.take(wte, tokens, axis=0) + wpe[: tokens.shape[1]]
-        blocks = nn.scan(ScannedBlock, variable_axes={"params": 0},
-                         split_rngs={"params": True}, length=cfg.layers)  # fmt: skip
-        x, _ = blocks(cfg, self.numerics, name="blocks")(x, None)
-        x = gpt.LayerNorm(self.numerics, name="ln_f")(x)
-        head = dataclasses.replace(self.numerics, fp8_matmuls=False, block=None)
-        head = self.numerics if self.numerics.fp8_head else head
-        if cfg.tie_embeddings:
-            return gpt.dense(x, wte.T, None, head)
-        return gpt.Dense(cfg.vocab_size, head, use_bias=False, name="head")(x)
-
-
 @dataclasses.dataclass
 class Row:
     """One configuration's measurements (``step_s`` filled by :func:`time_steps`)."""
@@ -159,15 +127,19 @@ def qwix_model(model: nn.Module) -> nn.Module:
     return qwix.quantize_model(model, qwix.QtProvider([rule]))
 
 
+def _laid_out(config: gpt.GPTConfig, layout: str) -> gpt.GPTConfig:
+    return dataclasses.replace(config, scan_layers=layout == "scan")
+
+
 def make_model(name: str, config: gpt.GPTConfig, layout: str) -> nn.Module:
     """The flax model of configuration ``name`` in ``layout`` (qwix-wrapped for ``qwix_fp8``)."""
-    model = (ScanGPT if layout == "scan" else gpt.GPT)(config, PRECISIONS[name].numerics)
+    model = gpt.GPT(_laid_out(config, layout), PRECISIONS[name].numerics)
     return qwix_model(model) if name == QWIX else model
 
 
 def init_params(config: gpt.GPTConfig, layout: str, seed: int) -> Any:
     """Float32 parameters of the plain model in ``layout``."""
-    model = (ScanGPT if layout == "scan" else gpt.GPT)(config)
+    model = gpt.GPT(_laid_out(config, layout))
     tokens = jnp.zeros((1, config.context), jnp.int32)
     return jax.jit(model.init)(jax.random.key(seed), tokens)["params"]  # jit: one compile
 

@@ -40,6 +40,7 @@ class GPTConfig:
     heads: int = 4
     mlp_ratio: int = 4
     tie_embeddings: bool = True
+    scan_layers: bool = False  # the blocks under nn.scan (parameters stacked on axis 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +164,17 @@ class Block(nn.Module):
         )
 
 
+class ScannedBlock(nn.Module):
+    """:class:`Block` as a ``(carry, x) -> (carry, y)`` body for ``nn.scan``."""
+
+    config: GPTConfig
+    numerics: Numerics
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        return Block(self.config, self.numerics, name="block")(x), None
+
+
 class GPT(nn.Module):
     """Token ids ``[batch, length]`` (``length <= context``) to logits ``[batch, length, vocab]``.
 
@@ -184,8 +196,13 @@ class GPT(nn.Module):
         wte = self.param("wte", init, (cfg.vocab_size, cfg.width), jnp.float32)
         wpe = self.param("wpe", init, (cfg.context, cfg.width), jnp.float32)
         x = jnp.take(wte, tokens, axis=0) + wpe[: tokens.shape[1]]
-        for i in range(cfg.layers):
-            x = Block(cfg, self.numerics, name=f"block{i}")(x)
+        if cfg.scan_layers:
+            blocks = nn.scan(ScannedBlock, variable_axes={"params": 0},
+                             split_rngs={"params": True}, length=cfg.layers)  # fmt: skip
+            x, _ = blocks(cfg, self.numerics, name="blocks")(x, None)
+        else:
+            for i in range(cfg.layers):
+                x = Block(cfg, self.numerics, name=f"block{i}")(x)
         x = LayerNorm(self.numerics, name="ln_f")(x)
         head_numerics = self.numerics
         if not head_numerics.fp8_head:
