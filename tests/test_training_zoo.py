@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import json
 import pathlib
+import sys
 
 import pytest
 
@@ -64,6 +65,7 @@ def _load_cli():
     path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "training_zoo.py"
     spec = importlib.util.spec_from_file_location("training_zoo", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("training_zoo", module)  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
