@@ -1,9 +1,9 @@
-"""Numerics of block quantization: MX element formats x scale rules x block layouts.
+"""Numerics of block quantization: MX element formats x scale roundings x block layouts.
 
     python benchmarks/block_numerics.py                 # 512 x 512 operands, markdown table
     python benchmarks/block_numerics.py --size 256 --outliers 8 --seed 1
 
-For every element format of ``js.formats`` (E4M3, E5M2, E2M3, E3M2, E2M1), scale rule
+For every element format of ``js.formats`` (E4M3, E5M2, E2M3, E3M2, E2M1), scale rounding
 (``floor``: OCP MX; ``rceil``: never saturates) and layout (one scale per tensor, per row,
 blocks of 32 along the row, 128x128 tiles), on two kinds of ``size x size`` float32 data:
 
@@ -39,7 +39,7 @@ import jax_scaled as js
 from jax_scaled.array import expand_scale
 from jax_scaled.formats import element_bits
 
-RULES = ("floor", "rceil")
+ROUNDINGS = ("floor", "rceil")
 OUTLIER_FACTOR = 2.0**10
 
 
@@ -86,9 +86,11 @@ def operands(kind: str, size: int, outliers: int, seed: int) -> tuple[np.ndarray
     return pair[0], pair[1]
 
 
-def quantized(x: np.ndarray, dtype, rule: str, blocks) -> tuple[np.ndarray, np.ndarray]:
+def quantized(x: np.ndarray, dtype, rounding: str, blocks) -> tuple[np.ndarray, np.ndarray]:
     """``(dequantized value, per-element scale)`` in float64."""
-    q = js.quantize(x, dtype, block_shape=blocks, scale_rule=rule, scale_dtype=jnp.float8_e8m0fnu)
+    q = js.quantize(
+        x, dtype, block_shape=blocks, scale_rounding=rounding, scale_dtype=jnp.float8_e8m0fnu
+    )
     scale = expand_scale(q.scale.astype(jnp.float32), x.shape)
     return np.asarray(q.to_array(jnp.float32), np.float64), np.asarray(scale, np.float64)
 
@@ -114,16 +116,16 @@ def bits_per_element(dtype, blocks, size: int) -> float:
     return element_bits(dtype) + element_bits(jnp.float8_e8m0fnu) / float(elements)
 
 
-def row(fmt, rule: str, layout: Layout, data: dict, size: int) -> list[str]:
+def row(fmt, rounding: str, layout: Layout, data: dict, size: int) -> list[str]:
     cells = [
         fmt.name,
-        rule,
+        rounding,
         layout.name,
         f"{bits_per_element(fmt.element_dtype, layout.blocks, size):.2f}",
     ]
     for a, b in data.values():
-        qa, scale = quantized(a, fmt.element_dtype, rule, layout.lhs())
-        qb, _ = quantized(b, fmt.element_dtype, rule, layout.rhs())
+        qa, scale = quantized(a, fmt.element_dtype, rounding, layout.lhs())
+        qb, _ = quantized(b, fmt.element_dtype, rounding, layout.rhs())
         stats = statistics(a, qa, scale, fmt.element_dtype)
         cells += [f"{stats['sqnr']:.1f}", f"{stats['sat']:.3f}", f"{stats['ftz']:.2f}"]
         cells.append(f"{matmul_error(a, b, qa, qb):.2e}")
@@ -142,13 +144,13 @@ def main() -> None:
         f"outliers {args.outliers} x 2^10, seed {args.seed}\n"
     )
     stats = ["SQNR dB", "sat %", "ftz %", "matmul err"]
-    header = ["format", "rule", "layout", "bits"] + [f"{k} {s}" for k in data for s in stats]
+    header = ["format", "rounding", "layout", "bits"] + [f"{k} {s}" for k in data for s in stats]
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" for _ in header) + "|")
     for fmt in js.formats.MX_FORMATS:
-        for rule in RULES:
+        for rounding in ROUNDINGS:
             for layout in LAYOUTS:
-                print("| " + " | ".join(row(fmt, rule, layout, data, args.size)) + " |")
+                print("| " + " | ".join(row(fmt, rounding, layout, data, args.size)) + " |")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.context import ThreadStack
-from jax_scaled.dtypes import compute_dtype
+from jax_scaled import context
+from jax_scaled.dtypes import BLOCK_SCALE_DTYPES, compute_dtype
 from jax_scaled.pow2.static import MIN_SCALE_EXPONENT
 from jax_scaled.pow2.traced import pow2_round, pow2_split
 
@@ -95,7 +95,7 @@ class ScaledArray:
     def __post_init__(self):
         _check_data(self.data)
         _check_scale(self.scale, self.data)
-        if _engine_builds.items:  # a rule's output: its scale is a power of two by construction
+        if context.current().engine_builds:  # a rule's output: a power of two scale already
             return
         if isinstance(self.scale, jxi.Tracer) or isinstance(self.data, jxi.Tracer):
             data, scale = _normalised_traced(self.data, self.scale)
@@ -212,9 +212,6 @@ def _check_scale(scale: Any, data: Any) -> None:
         _check_block_scale(scale, data)
 
 
-BLOCK_SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e8m0fnu))
-
-
 def _check_block_scale(scale: Any, data: Any) -> None:
     grid, shape = tuple(np.shape(scale)), tuple(np.shape(data))
     tiles = len(grid) == len(shape) and all(
@@ -295,9 +292,6 @@ def check_block_sharding(x: ScaledArray, sharding: Any) -> None:
         )
 
 
-_engine_builds = ThreadStack()
-
-
 @contextlib.contextmanager
 def engine_builds() -> Iterator[None]:
     """Within this context, ScaledArrays are built by scalify's rules, whose scales are powers
@@ -309,11 +303,8 @@ def engine_builds() -> Iterator[None]:
         >>> float(x.scale)  # a rule's zero keeps the scale the rule gave it
         4.0
     """
-    _engine_builds.items.append(True)
-    try:
+    with context.entered(engine_builds=True):
         yield
-    finally:
-        _engine_builds.items.pop()
 
 
 def _zero_scale(scale_dtype) -> np.ndarray:

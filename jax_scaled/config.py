@@ -7,10 +7,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jax_scaled.context import ThreadStack
+from jax_scaled import context
+from jax_scaled.dtypes import BLOCK_SCALE_DTYPES
 from jax_scaled.pow2.static import Rounding
-
-_SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e8m0fnu))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +59,19 @@ class ScalifyConfig:
         object.__setattr__(self, "rounding", Rounding(self.rounding))
         if self.scale_dtype is not None:
             dtype = jnp.dtype(self.scale_dtype)
-            if dtype not in _SCALE_DTYPES:
+            if dtype not in BLOCK_SCALE_DTYPES:
                 raise ValueError(f"scale_dtype must be float32 or float8_e8m0fnu, got {dtype}.")
             object.__setattr__(self, "scale_dtype", dtype)
 
     def __enter__(self) -> ScalifyConfig:
-        _configs.items.append(self)
+        context.push(config=self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _configs.items.pop()
+        context.pop()
 
 
-_configs = ThreadStack(lambda: [ScalifyConfig()])
+_DEFAULT = ScalifyConfig()
 
 
 def current_config() -> ScalifyConfig:
@@ -85,4 +84,4 @@ def current_config() -> ScalifyConfig:
         >>> current_config().rounding
         <Rounding.DOWN: 'down'>
     """
-    return _configs.items[-1]
+    return context.current().config or _DEFAULT

@@ -138,7 +138,7 @@ def record_properties(primitive: jxi.Primitive) -> str:
     Example:
         >>> from jax import lax
         >>> record_properties(lax.mul_p)
-        'elementwise, any-scale preserving, absorbing, multiplicative, pointwise, estimate, fold'
+        'folds scalars, any-scale preserving, absorbing, multiplicative, pointwise, estimate, fold'
     """
     found = record(primitive)
     names = [_PROPERTY_NAMES[p] for p in _PROPERTY_NAMES if p in found.properties]

@@ -37,6 +37,8 @@ from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.dtypes import float_dtype
+from jax_scaled.engine.tracing import bind_eqn, call_traced, evaluate_jaxpr
+from jax_scaled.formats import BlockFormat, as_recipe
 from jax_scaled.nn.block_linear import BlockRecipe, block_linear, untiled_axes
 from jax_scaled.nn.cast_contraction import (
     SCALINGS,
@@ -118,7 +120,7 @@ def dot_formats(
     rhs: DTypeLike | None = jnp.float8_e4m3fn,
     grad: DTypeLike | None = jnp.float8_e5m2,
     exclude: Exclude = None,
-    block: Any = None,
+    block: BlockRecipe | BlockFormat | None = None,
     scaling: str = "current",
 ) -> Callable:
     """``fn`` with its matmuls and convolutions on ``lhs``/``rhs`` operands and ``grad`` cotangents.
@@ -158,9 +160,12 @@ def dot_formats(
             (primitive, operand shapes and dtypes, dimension numbers, source line), or a
             sequence of operand shapes (see :func:`has_operand_shape`), e.g. a language
             model's output head ``[(d_model, vocab)]``.
-        block: a block-scaled recipe (:class:`jax_scaled.nn.BlockRecipe`: ``js.nn.MXFP8``,
-            ``js.nn.FP8_BLOCK128``, ...) for the dense contractions, ``x (..., K) @ w (K, N)``
-            (flax ``Dense``, ``x @ w``) whose sizes its blocks tile: those become
+        block: a block-scaled recipe (:class:`jax_scaled.formats.BlockRecipe`:
+            ``js.nn.MXFP8``, ``js.nn.FP8_BLOCK128``, ...; or a
+            :class:`~jax_scaled.formats.BlockFormat` ``F``, meaning ``F`` everywhere:
+            ``js.formats.MXFP8_E4M3``; anything else is a ``TypeError``) for the dense
+            contractions, ``x (..., K) @ w (K, N)`` (flax ``Dense``, ``x @ w``) whose sizes
+            its blocks tile: those become
             :func:`jax_scaled.nn.block_linear` (every matmul, forward and backward, on
             operands block-quantized along its contracting axis; the recipe's formats
             replace ``lhs``/``rhs``/``grad`` there, and ``scaling`` does not apply: block
@@ -182,9 +187,11 @@ def dot_formats(
         >>> g = jax.grad(lambda w: jnp.sum(fp8(x, w)))(w)  # E5M2 cotangent, float32 gradient
         >>> g.dtype, float(g[0, 0]) * 2**19
         (dtype('float32'), 1.0)
+        >>> mx = dot_formats(lambda x, w: x @ w, block=js.formats.MXFP8_E4M3)  # E4M3 blocks
+        >>> float(mx(jnp.full((32, 32), 3.0), jnp.full((32, 32), 0.5))[0, 0])
+        48.0
     """
-    if block is not None and not isinstance(block, BlockRecipe):
-        raise TypeError(f"dot_formats: block takes a js.nn.BlockRecipe (js.nn.MXFP8): {block!r}")
+    block = None if block is None else as_recipe(block, "dot_formats(block=...)")
     policy = _Policy(_format(lhs), _format(rhs), _format(grad), _predicate(exclude), scaling, block)
 
     @functools.wraps(fn)
@@ -265,49 +272,20 @@ def _site(eqn: jxi.JaxprEqn, lhs: Any, rhs: Any) -> ContractionSite:
 
 
 def _call(fn: Callable, policy: _Policy, args: tuple, kwargs: dict) -> Any:
-    leaves, in_tree = jax.tree.flatten((args, kwargs))
-    is_array = [_is_array(x) for x in leaves]
-    arrays = [x for x, a in zip(leaves, is_array) if a]
-    out_trees = []
+    def run(traced):
+        return _evaluate(traced.closed.jaxpr, traced.closed.consts, traced.arrays, policy)
 
-    def flat_fn(*values):
-        values = iter(values)
-        merged = [next(values) if a else x for x, a in zip(leaves, is_array)]
-        call_args, call_kwargs = jax.tree.unflatten(in_tree, merged)
-        outs, out_tree = jax.tree.flatten(fn(*call_args, **call_kwargs))
-        out_trees.append(out_tree)
-        return outs
-
-    closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in arrays])
-    outs = _evaluate(closed.jaxpr, closed.consts, arrays, policy)
-    return jax.tree.unflatten(out_trees[-1], outs)
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | np.generic)
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    weak_type = bool(getattr(jax.typeof(x), "weak_type", False))
-    manual = jxi.manual_axis_kwargs(x)  # inside shard_map: the axes x varies over
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak_type, **manual)
+    return call_traced(fn, args, kwargs, run)  # ScaledArray arguments: their data and scale
 
 
 def _evaluate(jaxpr: jxi.Jaxpr, consts: Sequence, args: Sequence, policy: _Policy) -> list:
     """Run ``jaxpr`` on ``args`` in the current trace, contractions replaced per ``policy``."""
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
 
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, jxi.Literal) else env[atom]
-
-    for eqn in jaxpr.eqns:
+    def eval_eqn(eqn: jxi.JaxprEqn, invals: list) -> list:
         with jxi.eqn_user_context(eqn):
-            outs = _evaluate_eqn(eqn, [read(v) for v in eqn.invars], policy)
-        for var, out in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, jxi.DropVar):
-                env[var] = out
-    return [read(v) for v in jaxpr.outvars]
+            return _evaluate_eqn(eqn, invals, policy)
+
+    return evaluate_jaxpr(jaxpr, consts, args, eval_eqn)
 
 
 def _evaluate_eqn(eqn: jxi.JaxprEqn, invals: list, policy: _Policy) -> list:
@@ -321,9 +299,7 @@ def _evaluate_eqn(eqn: jxi.JaxprEqn, invals: list, policy: _Policy) -> list:
             return [jxi.with_weak_type(out) if eqn.outvars[0].aval.weak_type else out]
     elif not _is_opaque(eqn.primitive) and _has_contraction_inside(eqn):
         eqn = jxi.map_jaxpr_params(eqn, functools.partial(_transform, policy=policy))
-    subfuns, params = jxi.eqn_bind_params(eqn)
-    outs = eqn.primitive.bind(*subfuns, *invals, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
+    return bind_eqn(eqn, invals)
 
 
 def _is_block_dense(eqn: jxi.JaxprEqn, lhs: Any, rhs: Any, block: BlockRecipe | None) -> bool:

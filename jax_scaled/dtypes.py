@@ -12,6 +12,11 @@ from typing import Any
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+BLOCK_SCALE_DTYPES: tuple[jnp.dtype, ...] = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e8m0fnu))
+"""The dtypes block scales are stored in: float32, or E8M0 (``float8_e8m0fnu``: powers of two
+only). The ``scale_dtype`` of :class:`~jax_scaled.ScalifyConfig`, :func:`~jax_scaled.quantize`
+and :class:`~jax_scaled.formats.BlockFormat` is one of them."""
+
 
 def is_narrow_float(dtype: Any) -> bool:
     """True for floating dtypes narrower than float32 (float16, bfloat16, float8, float4).

@@ -19,11 +19,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.context import ThreadStack
+from jax_scaled import context
 
 T = TypeVar("T")
-
-_memos = ThreadStack()
 
 
 @contextlib.contextmanager
@@ -35,11 +33,8 @@ def scale_memo() -> Iterator[None]:
         ...     memo_size()
         0
     """
-    _memos.items.append({})
-    try:
+    with context.entered(memo={}):
         yield
-    finally:
-        _memos.items.pop()
 
 
 def memoized(kind: str, key: Any, compute: Callable[[], T]) -> T:
@@ -57,20 +52,20 @@ def memoized(kind: str, key: Any, compute: Callable[[], T]) -> T:
         >>> float(jax.jit(f)(jnp.float32(1.0))), reused
         (2.0, [True])
     """
-    stack = _memos.items
-    if not stack or not isinstance(key, jxi.Tracer):
+    memo = context.current().memo
+    if memo is None or not isinstance(key, jxi.Tracer):
         return compute()
     trace = jxi.current_trace()
     entry_key = (kind, id(key), id(trace))
-    entry = stack[-1].get(entry_key)
+    entry = memo.get(entry_key)
     if entry is not None and entry[0] is key and entry[1] is trace:
         return entry[2]
     value = compute()
-    stack[-1][entry_key] = (key, trace, value)
+    memo[entry_key] = (key, trace, value)
     return value
 
 
 def memo_size() -> int:
     """Entries in the innermost :func:`scale_memo` block (0 outside any)."""
-    stack = _memos.items
-    return len(stack[-1]) if stack else 0
+    memo = context.current().memo
+    return 0 if memo is None else len(memo)

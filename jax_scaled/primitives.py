@@ -15,7 +15,7 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.engine.registry import register_scale_rule
 from jax_scaled.pow2.traced import pow2_round
-from jax_scaled.scales.values import as_scaled, make_scale, rescale, safe_ratio, scale_f32
+from jax_scaled.scales import as_scaled, make_scale, rescale, safe_ratio, scale_f32
 
 
 def set_scaling(x, scale) -> jax.Array:

@@ -2,16 +2,18 @@
 
 :func:`quantize` splits a tensor into blocks (the whole tensor, rows, MX's 32 elements along
 an axis, 128x128 tiles, ...), gives each block a power-of-two scale from its largest
-magnitude ``amax``, and rounds ``x / scale`` to the element format:
+magnitude ``amax``, and rounds ``x / scale`` to the element format. The **scale rounding**
+(``scale_rounding=``, a :class:`~jax_scaled.formats.BlockFormat`'s ``scale_rounding``) says
+how ``amax`` sets the power of two:
 
-* ``scale_rule="floor"`` is the OCP MX v1.0 rule: ``2^(floor(log2(amax)) - emax)``, with
+* ``scale_rounding="floor"`` is the OCP MX v1.0 rule: ``2^(floor(log2(amax)) - emax)``, with
   ``emax`` the exponent of the format's largest finite value (E4M3: 8, E5M2: 15, E2M3: 2,
   E3M2: 4, E2M1: 2). ``amax / scale`` then lies in ``[2^emax, 2^(emax+1))``, above the
   largest finite value ``max`` when the block's largest mantissa exceeds ``max / 2^emax``
   (1.75 for E4M3, E5M2 and E3M2, 1.875 for E2M3, 1.5 for E2M1): such values **saturate** to
   ``+-max`` (for E4M3, ``|x| / scale`` in ``(448, 512)``). This is the rule of the MX spec
   and of torchao's default; it keeps one more binade of the block's small values.
-* ``scale_rule="rceil"``: ``2^ceil(log2(amax / max))`` (cuBLAS, Transformer Engine and
+* ``scale_rounding="rceil"``: ``2^ceil(log2(amax / max))`` (cuBLAS, Transformer Engine and
   ``jax.nn.scaled_dot_general``), computed exactly from the exponent and mantissa fields,
   so ``|x| / scale <= max``: it **never saturates**.
 
@@ -19,7 +21,7 @@ Formats wider than 8 bits (``float16``, ``bfloat16``, ``float32``) have range to
 scalify's rules count on data that keeps headroom (a sum or product of data at the top of
 float16 overflows): their blocks' largest magnitude maps to ``[2^t, 2^(t+1))``, ``t`` the
 range guard's exponent (:func:`~jax_scaled.scales.guard.centre_exponent`; float16: 3), under
-either rule, and nothing saturates.
+either rounding, and nothing saturates.
 
 Rounding is to nearest, ties to even, with the format's subnormals, as ml_dtypes and XLA cast
 (values below half the smallest subnormal flush to zero, keeping their sign). Scales are
@@ -41,10 +43,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
+import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +56,17 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
+from jax_scaled import context
 from jax_scaled.array import ScaledArray, expand_scale
-from jax_scaled.context import ThreadStack
 from jax_scaled.engine.registry import register_block_rule, register_scale_rule
-from jax_scaled.formats import MX_FORMATS, BlockFormat, storage_dtype
+from jax_scaled.formats import (
+    FORMATS,
+    RECIPES,
+    BlockFormat,
+    BlockRecipe,
+    ScaleRounding,
+    storage_dtype,
+)
 from jax_scaled.pow2.static import EXPONENT_BIAS, MANTISSA_BITS
 from jax_scaled.pow2.traced import (
     biased_exponent,
@@ -67,49 +76,24 @@ from jax_scaled.pow2.traced import (
     pow2_split,
 )
 from jax_scaled.primitives import stop_scaling
-from jax_scaled.scales.guard import centre_exponent, top_of_format
+from jax_scaled.scales import centre_exponent, top_of_format
 
-ScaleRule = Literal["floor", "rceil"]
-
-_SCALE_RULES = ("floor", "rceil")
-_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.float8_e8m0fnu))
 _MANTISSA_MASK = np.uint32((1 << MANTISSA_BITS) - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantizeSpec:
-    """A resolved quantization: element format, blocks (None: one scale for the tensor),
-    scale rule and scale dtype. Static (hashable): a ``jit`` static argument and the
-    parameters of the ``quantize`` primitive.
-
-    Example:
-        >>> QuantizeSpec(np.dtype(jnp.float8_e4m3fn), (1, 32)).storage_dtype
-        dtype(float8_e4m3fn)
-    """
-
-    element_dtype: np.dtype
-    block_shape: tuple[int, ...] | None = None
-    scale_rule: str = "floor"
-    scale_dtype: np.dtype = np.dtype(np.float32)
-
-    @property
-    def storage_dtype(self) -> np.dtype:
-        """The dtype of the quantized data (see :func:`~jax_scaled.formats.storage_dtype`)."""
-        return storage_dtype(self.element_dtype)
 
 
 def quantize(
     x: Any,
-    dtype: DTypeLike | BlockFormat,
+    dtype: DTypeLike | BlockFormat | str,
     *,
     block_shape: Sequence[int] | None = None,
     axis: int | None = None,
-    scale_rule: ScaleRule = "floor",
+    scale_rounding: ScaleRounding | None = None,
     scale_dtype: DTypeLike | None = None,
+    scale_rule: ScaleRounding | None = None,
 ) -> ScaledArray:
     """Quantize ``x`` to element format ``dtype`` with one power-of-two scale per block.
 
-    The module docstring gives the scale rules, which values saturate, rounding, zero blocks
+    The module docstring gives the scale roundings, which values saturate, rounding, zero blocks
     and non-finite values.
 
     Args:
@@ -117,18 +101,24 @@ def quantize(
             float32 value).
         dtype: the element format (``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``,
             ``jnp.float6_e2m3fn``, ``jnp.float6_e3m2fn``, ``jnp.float4_e2m1fn``, or any
-            ml_dtypes float), or a :class:`~jax_scaled.formats.BlockFormat` preset such as
-            ``js.formats.MXFP8_E4M3`` (its blocks lie along ``axis``, default -1); either
-            may be given by name (``"float8_e4m3fn"``, ``"mxfp8_e4m3"``).
+            ml_dtypes float), or a :class:`~jax_scaled.formats.BlockFormat` such as
+            ``js.formats.MXFP8_E4M3`` (its blocks lie along ``axis``, default -1; its scale
+            dtype and rounding are the defaults of ``scale_dtype`` and ``scale_rounding``);
+            a dtype or a preset may be given by name (``"float8_e4m3fn"``, ``"mxfp8_e4m3"``).
+            A recipe (``js.nn.MXFP8``) is refused: it holds three formats.
         block_shape: the elements one scale covers, one entry per axis of ``x``, each
             dividing the axis (no padding); ``-1`` spans the whole axis (``(1, -1)``: one
             scale per row). None (default): one 0-d scale for the tensor. Under
             ``jax.vmap``, give each example one scale with ``(-1, ..., -1)`` (shape
             ``(1, ..., 1)``, stacked to ``(B, 1, ..., 1)``): stacked 0-d scales are no
             valid scale of the stacked data.
-        axis: with a preset, the axis its blocks lie along.
-        scale_rule: ``"floor"`` (OCP MX, may saturate) or ``"rceil"`` (never saturates).
-        scale_dtype: ``jnp.float32`` (default) or ``jnp.float8_e8m0fnu`` (a preset's default).
+        axis: with a format that has a block size (the presets), the axis its blocks lie
+            along.
+        scale_rounding: ``"floor"`` (OCP MX, may saturate; the default for a dtype) or
+            ``"rceil"`` (never saturates); None: the format's.
+        scale_dtype: ``jnp.float32`` (the default for a dtype) or ``jnp.float8_e8m0fnu`` (the
+            presets' default); None: the format's.
+        scale_rule: deprecated name of ``scale_rounding`` (warns ``DeprecationWarning``).
 
     Returns:
         A ScaledArray of ``x``'s shape: data in the element format (float6 in a
@@ -158,13 +148,25 @@ def quantize(
         (dtype(float8_e4m3fn), dtype(float8_e8m0fnu), (2, 1), (1, 32))
         >>> bool((q.to_array(jnp.float32) == x).all())
         True
+        >>> quantize(jnp.array([[1.0, 480.0]]), jnp.float8_e4m3fn, block_shape=(1, 2),
+        ...          scale_rounding="rceil").to_array(jnp.float32).tolist()  # "floor": 448
+        [[1.0, 480.0]]
     """
-    spec = _resolve(np.shape(x), dtype, block_shape, axis, scale_rule, scale_dtype)
+    if scale_rule is not None:
+        warnings.warn(
+            "quantize(scale_rule=...) is deprecated: the choice is named scale_rounding=.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if scale_rounding is not None:
+            raise TypeError("quantize: pass scale_rounding= only (scale_rule= is its old name).")
+        scale_rounding = scale_rule
+    fmt, blocks = _resolve(np.shape(x), dtype, block_shape, axis, scale_rounding, scale_dtype)
     if isinstance(x, ScaledArray):
-        return _quantize(x.to_array(jnp.float32), spec)
+        return _quantize(x.to_array(jnp.float32), fmt, blocks)
     if in_scalify_trace():
-        return quantize_p.bind(jnp.asarray(x), **dataclasses.asdict(spec))
-    return _quantize(stop_scaling(jnp.asarray(x), jnp.float32), spec)
+        return quantize_p.bind(jnp.asarray(x), **_params(fmt, blocks))
+    return _quantize(stop_scaling(jnp.asarray(x), jnp.float32), fmt, blocks)
 
 
 # -- resolving the arguments ----------------------------------------------------------------
@@ -172,47 +174,95 @@ def quantize(
 
 def _resolve(
     shape: tuple[int, ...],
-    dtype: DTypeLike | BlockFormat,
+    dtype: DTypeLike | BlockFormat | str,
     block_shape: Sequence[int] | None,
     axis: int | None,
-    scale_rule: str,
+    scale_rounding: str | None,
     scale_dtype: DTypeLike | None,
-) -> QuantizeSpec:
+) -> tuple[BlockFormat, tuple[int, ...] | None]:
+    """The format (without block size: element dtype, scale dtype and rounding) and the block
+    shape (None: one scale for the tensor) of a :func:`quantize` call."""
+    fmt = _as_format(dtype)
+    if fmt.block_size is not None:
+        if block_shape is not None:
+            raise ValueError(f"{fmt.name} sets the block shape: pass axis=, not block_shape=.")
+        block_shape = fmt.block_shape(len(shape), -1 if axis is None else axis)
+    elif axis is not None:
+        raise ValueError(
+            "axis= applies to a block format with a block size (js.formats.MXFP8_E4M3, ...); "
+            "pass block_shape=."
+        )
+    fmt = BlockFormat(
+        fmt.name,
+        fmt.element_dtype,
+        None,
+        fmt.scale_dtype if scale_dtype is None else scale_dtype,
+        fmt.scale_rounding if scale_rounding is None else scale_rounding,
+    )
+    return fmt, None if block_shape is None else _blocks(shape, block_shape)
+
+
+def _as_format(dtype: DTypeLike | BlockFormat | str) -> BlockFormat:
+    """``dtype`` as a format: a format as it is, a preset's name as the preset, a dtype (or
+    its name) as the format of its elements with float32 scales, rounded ``"floor"``."""
     if isinstance(dtype, str):
         dtype = _named_format(dtype)
     if isinstance(dtype, BlockFormat):
-        if block_shape is not None:
-            raise ValueError(f"{dtype.name} sets the block shape: pass axis=, not block_shape=.")
-        block_shape = dtype.block_shape(len(shape), -1 if axis is None else axis)
-        scale_dtype = dtype.scale_dtype if scale_dtype is None else scale_dtype
-        dtype = dtype.element_dtype
-    elif axis is not None:
-        raise ValueError("axis= applies to a block format preset (js.formats); pass block_shape=.")
-    element = np.dtype(dtype)
+        return dtype
+    if isinstance(dtype, BlockRecipe):
+        raise TypeError(
+            f"quantize takes one format, not a recipe ({dtype.name or dtype}): pass one of its "
+            f"formats (.x, .w, .grad) or a preset of js.formats ({_names(FORMATS)})."
+        )
+    try:
+        element = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"quantize takes a format: a js.formats.BlockFormat ({_names(FORMATS)}) or a "
+            f"floating dtype such as jnp.float8_e4m3fn; got {dtype!r}."
+        ) from None
     if not jnp.issubdtype(element, jnp.floating):
         raise TypeError(f"quantize needs a floating element format, got {element}.")
-    if scale_rule not in _SCALE_RULES:
-        raise ValueError(f"scale_rule is 'floor' or 'rceil', got {scale_rule!r}.")
-    scale_dtype = np.dtype(np.float32 if scale_dtype is None else scale_dtype)
-    if scale_dtype not in _SCALE_DTYPES:
-        raise ValueError(f"scale_dtype is float32 or float8_e8m0fnu, got {scale_dtype}.")
-    blocks = None if block_shape is None else _blocks(shape, block_shape)
-    return QuantizeSpec(element, blocks, scale_rule, scale_dtype)
+    return BlockFormat(element.name, element, None, np.float32)
 
 
 def _named_format(name: str) -> BlockFormat | np.dtype:
     """A preset of js.formats by its name (any case) or a dtype by its numpy name."""
-    presets = {f.name.lower(): f for f in MX_FORMATS}
+    presets = {f.name.lower(): f for f in FORMATS}
     if name.lower() in presets:
         return presets[name.lower()]
     try:
         return np.dtype(name)
     except TypeError:
+        recipe = [r.name for r in RECIPES if r.name.lower() == name.lower()]
+        hint = f" ({recipe[0]} is a recipe of three formats)" if recipe else ""
         raise ValueError(
-            f"unknown format {name!r}: pass a preset of js.formats "
-            f"({', '.join(f.name for f in MX_FORMATS)}, by object or name) or a floating "
-            "dtype such as jnp.float8_e4m3fn."
+            f"unknown format {name!r}{hint}: pass a preset of js.formats "
+            f"({_names(FORMATS)}, by object or name) or a floating dtype such as "
+            "jnp.float8_e4m3fn."
         ) from None
+
+
+def _names(presets: Sequence[Any]) -> str:
+    return ", ".join(p.name for p in presets)
+
+
+def _params(fmt: BlockFormat, block_shape: tuple[int, ...] | None) -> dict[str, Any]:
+    """The parameters of the ``quantize`` primitive."""
+    return {
+        "element_dtype": fmt.element_dtype,
+        "block_shape": block_shape,
+        "scale_rounding": fmt.scale_rounding,
+        "scale_dtype": fmt.scale_dtype,
+    }
+
+
+def _from_params(
+    element_dtype: np.dtype, block_shape: tuple[int, ...] | None, scale_rounding: str, scale_dtype
+) -> tuple[BlockFormat, tuple[int, ...] | None]:
+    """The format and block shape of the ``quantize`` primitive's parameters."""
+    name = np.dtype(element_dtype).name
+    return BlockFormat(name, element_dtype, None, scale_dtype, scale_rounding), block_shape
 
 
 def _blocks(shape: tuple[int, ...], block_shape: Sequence[int]) -> tuple[int, ...]:
@@ -234,27 +284,40 @@ def _blocks(shape: tuple[int, ...], block_shape: Sequence[int]) -> tuple[int, ..
 # -- the quantization itself ------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _quantize(value: jax.Array, spec: QuantizeSpec) -> ScaledArray:
-    """``value`` (float32) quantized as ``spec`` says."""
-    scale = lax.stop_gradient(block_scales(value, spec))
-    data = _to_elements(value, scale, spec)
-    return ScaledArray._trusted(data, scale.astype(spec.scale_dtype))
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize(
+    value: jax.Array, fmt: BlockFormat, block_shape: tuple[int, ...] | None
+) -> ScaledArray:
+    """``value`` (float32) quantized to ``fmt`` in blocks of ``block_shape``."""
+    scale = lax.stop_gradient(block_scales(value, fmt, block_shape))
+    data = _to_elements(value, scale, fmt.element_dtype)
+    return ScaledArray._trusted(data, scale.astype(fmt.scale_dtype))
 
 
-def block_scales(value: jax.Array, spec: QuantizeSpec) -> jax.Array:
-    """The float32 power-of-two scale of every block of ``value`` under ``spec``'s rule.
+def block_scales(
+    value: jax.Array, fmt: BlockFormat, block_shape: Sequence[int] | None = None
+) -> jax.Array:
+    """The float32 power-of-two scale of every block of ``value`` under ``fmt``'s scale
+    rounding and element format.
+
+    Args:
+        value: a float32 array.
+        fmt: the format (its element dtype and ``scale_rounding``).
+        block_shape: the blocks, dividing ``value``'s shape (no ``-1``); None: ``fmt``'s
+            blocks along the last axis, or one scale for the tensor without a block size.
 
     Example:
-        >>> spec = QuantizeSpec(np.dtype(jnp.float8_e4m3fn), (1, 2), "rceil")
-        >>> block_scales(jnp.array([[448.0, 1.0, 449.0, 0.0]]), spec).tolist()
+        >>> fmt = js.formats.BlockFormat("E4M3", jnp.float8_e4m3fn, 2, scale_rounding="rceil")
+        >>> block_scales(jnp.array([[448.0, 1.0, 449.0, 0.0]]), fmt).tolist()
         [[1.0, 2.0]]
     """
-    amax = _block_amax(value, spec.block_shape)
-    top = _top(spec.element_dtype)
+    if block_shape is None:
+        block_shape = fmt.block_shape(jnp.ndim(value)) if jnp.ndim(value) else None
+    amax = _block_amax(value, None if block_shape is None else tuple(block_shape))
+    top = _top(fmt.element_dtype)
     emax = int(np.frexp(top)[1]) - 1
     exponent = lax.sub(pow2_exponent(amax), np.int32(emax))  # floor(log2(amax)) - emax
-    if spec.scale_rule == "rceil":  # + 1 where amax's mantissa is above top's
+    if fmt.scale_rounding == "rceil":  # + 1 where amax's mantissa is above top's
         above = lax.gt(_mantissa_field(amax), top.view(np.uint32) & _MANTISSA_MASK)
         exponent = lax.add(exponent, lax.convert_element_type(above, jnp.int32))
     return pow2_from_exponent(exponent)  # clamped to [2^-126, 2^127]
@@ -291,9 +354,9 @@ def _mantissa_field(x: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _to_elements(value: jax.Array, scale: jax.Array, spec: QuantizeSpec) -> jax.Array:
+def _to_elements(value: jax.Array, scale: jax.Array, element_dtype: np.dtype) -> jax.Array:
     """``value / scale`` (block scales) rounded to the element format, saturating."""
-    return round_to_format(_divide(value, expand_scale(scale, value.shape)), spec.element_dtype)
+    return round_to_format(_divide(value, expand_scale(scale, value.shape)), element_dtype)
 
 
 def _divide(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -305,10 +368,10 @@ def _divide(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 @_to_elements.defjvp
-def _to_elements_jvp(spec: QuantizeSpec, primals, tangents):
+def _to_elements_jvp(element_dtype: np.dtype, primals, tangents):
     """Straight-through: the tangent is divided by the scale, neither rounded nor clipped."""
     (value, scale), (tangent, _) = primals, tangents
-    out = _to_elements(value, scale, spec)
+    out = _to_elements(value, scale, element_dtype)
     return out, (tangent / expand_scale(scale, value.shape)).astype(out.dtype)
 
 
@@ -342,8 +405,6 @@ def _round_to_grid(x: jax.Array, finfo: Any) -> jax.Array:
 
 # -- under scalify: the quantize primitive ------------------------------------------------
 
-_scalify_traces = ThreadStack()
-
 
 @contextlib.contextmanager
 def tracing_for_scalify() -> Iterator[None]:
@@ -356,21 +417,18 @@ def tracing_for_scalify() -> Iterator[None]:
         ...     in_scalify_trace()
         True
     """
-    _scalify_traces.items.append(True)
-    try:
+    with context.entered(scalify_tracing=True):  # as scalify's call context does
         yield
-    finally:
-        _scalify_traces.items.pop()
 
 
 def in_scalify_trace() -> bool:
-    """True inside :func:`tracing_for_scalify` (in this thread).
+    """True inside :func:`tracing_for_scalify`, or while scalify traces (in this thread).
 
     Example:
         >>> in_scalify_trace()
         False
     """
-    return bool(_scalify_traces.items)
+    return context.current().scalify_tracing
 
 
 def _quantize_impl(x, **params) -> jax.Array:
@@ -396,13 +454,12 @@ quantize_p = jxi.define_primitive(
 def _quantize_rule(x, **params) -> ScaledArray:
     """A plain, per-tensor or block-scaled ``x`` quantized from its float32 value."""
     value = x.to_array(jnp.float32) if isinstance(x, ScaledArray) else x.astype(jnp.float32)
-    return _quantize(value, QuantizeSpec(**params))
+    return _quantize(value, *_from_params(**params))
 
 
 register_block_rule(quantize_p)(_quantize_rule)
 
 __all__ = [
-    "QuantizeSpec",
     "block_scales",
     "in_scalify_trace",
     "quantize",

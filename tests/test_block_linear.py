@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jax_scaled as js
+from jax_scaled.nn.block_linear import untiled_axes
 
 RECIPES = {
     "MXFP8": js.nn.MXFP8,
@@ -36,21 +37,19 @@ def operands(seed: int = 0):
     return x, w, g
 
 
-def dequantized(value, dtype, blocks, recipe) -> jax.Array:
-    q = js.quantize(value, dtype, block_shape=blocks, scale_rule=recipe.scale_rule,
-                    scale_dtype=recipe.scale_dtype)  # fmt: skip
+def dequantized(value, fmt, blocks) -> jax.Array:
+    """``value`` quantized to ``fmt``'s elements, scale dtype and rounding in ``blocks``."""
+    q = js.quantize(value, fmt.element_dtype, block_shape=blocks,
+                    scale_rounding=fmt.scale_rounding, scale_dtype=fmt.scale_dtype)  # fmt: skip
     return q.to_array(jnp.float32)
 
 
 def expected_products(x, w, g, recipe):
     """The three matmuls from js.quantize alone, each along its own contracting axis."""
-    b = recipe.x_block
-    y = dequantized(x, recipe.x, (1, b), recipe) @ dequantized(w, recipe.w, recipe.w_block, recipe)
-    dx = (
-        dequantized(g, recipe.grad, (1, b), recipe)
-        @ dequantized(w, recipe.w, recipe.w_block[::-1], recipe).T
-    )
-    dw = dequantized(x, recipe.x, (b, 1), recipe).T @ dequantized(g, recipe.grad, (b, 1), recipe)
+    b, gb = recipe.x.block_size, recipe.grad.block_size
+    y = dequantized(x, recipe.x, (1, b)) @ dequantized(w, recipe.w, recipe.w_block)
+    dx = dequantized(g, recipe.grad, (1, gb)) @ dequantized(w, recipe.w, recipe.w_block[::-1]).T
+    dw = dequantized(x, recipe.x, (b, 1)).T @ dequantized(g, recipe.grad, (gb, 1))
     return y, dx, dw
 
 
@@ -151,3 +150,69 @@ def test_scalified_program_has_fp8_operands():
     assert len(F8_DOT.findall(text)) >= 1, "no E4M3 x E4M3 dot_general in the lowered program"
     e5m2 = re.findall(r"stablehlo\.dot_general .*xf8E5M2>", text)
     assert len(e5m2) == 2  # both gradient matmuls take the E5M2 cotangent
+
+
+# -- one vocabulary: a format where a recipe is expected means it everywhere (issue 26) --------
+
+
+def test_linear_takes_a_format_as_that_format_everywhere():
+    """js.nn.linear(x, w, block=js.formats.MXFP8_E4M3): the recipe MXFP8_E4M3_GRADS, forward
+    and both gradients, outside and under scalify."""
+    x, w, g = operands(4)
+    fmt, recipe = js.formats.MXFP8_E4M3, js.nn.MXFP8_E4M3_GRADS
+    assert js.formats.as_recipe(fmt) == recipe
+    by_format = vjp(lambda x, w: js.nn.linear(x, w, block=fmt), x, w, g)
+    by_recipe = vjp(lambda x, w: js.nn.linear(x, w, block=recipe), x, w, g)
+    for a, b in zip(by_format, by_recipe, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(by_format, expected_products(x, w, g, recipe), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
+    args = [js.as_scaled_array(a.astype(jnp.float16)) for a in (x, w, g)]
+    scalified = [
+        js.scalify(lambda x, w, g, b=b: vjp(lambda x, w: js.nn.linear(x, w, block=b), x, w, g))(
+            *args
+        )
+        for b in (fmt, recipe)
+    ]
+    for a, b in zip(*scalified, strict=True):
+        np.testing.assert_array_equal(a.to_array(jnp.float32), b.to_array(jnp.float32))
+
+
+def test_presets_are_one_definition():
+    """js.nn's recipes are js.formats' objects, built from js.formats' formats."""
+    for name in ("MXFP8", "MXFP8_E4M3_GRADS", "MXFP4_WEIGHTS", "FP8_BLOCK128"):
+        assert getattr(js.nn, name) is getattr(js.formats, name)
+    assert js.nn.BlockRecipe is js.formats.BlockRecipe
+    assert js.nn.MXFP8.x is js.formats.MXFP8_E4M3 and js.nn.MXFP8.grad is js.formats.MXFP8_E5M2
+    assert js.nn.MXFP4_WEIGHTS.w is js.formats.MXFP4_E2M1
+    block128 = js.nn.FP8_BLOCK128
+    assert block128.x is block128.w is block128.grad is js.formats.FP8_E4M3_BLOCK128
+    assert block128.w_block == (128, 128)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, w: js.nn.linear(x, w, block="MXFP8"),
+        lambda x, w: js.nn.linear(x, w, block=jnp.float8_e4m3fn),
+        lambda x, w: js.nn.block_linear(x, w, (1, 32)),
+        lambda x, w: js.dot_formats(jnp.matmul, block=jnp.float8_e4m3fn)(x, w),
+        lambda x, w: untiled_axes(x.shape, w.shape, 32),
+    ],
+    ids=["linear-str", "linear-dtype", "block_linear-tuple", "dot_formats-dtype", "untiled"],
+)
+def test_what_is_no_recipe_or_format_is_refused_with_the_presets_listed(call):
+    x, w, _ = operands()
+    with pytest.raises(TypeError, match=r"BlockRecipe \(MXFP8, .*FP8_BLOCK128.*MXFP8_E4M3, "):
+        call(x, w)
+
+
+def test_recipes_check_their_formats():
+    e4m3 = js.formats.MXFP8_E4M3
+    with pytest.raises(TypeError, match="BlockFormat"):
+        js.formats.BlockRecipe(jnp.float8_e4m3fn, e4m3, e4m3)
+    with pytest.raises(ValueError, match="w_block"):
+        js.formats.BlockRecipe(e4m3, e4m3, e4m3, w_block=(128, 128))  # K blocks are w's 32
+    per_call = js.formats.BlockFormat("E4M3", jnp.float8_e4m3fn, block_size=None)
+    with pytest.raises(ValueError, match="needs a block_size"):
+        js.formats.BlockRecipe(per_call, e4m3, e4m3)

@@ -151,3 +151,14 @@ def test_rules_defined_outside_any_module_do_not_break_the_document():
     assert rule.__module__ is None
     js.register_scale_rule(orphan_p)(rule)
     assert "orphan_rule_test" not in coverage.generate()
+
+
+def test_readme_and_docs_give_the_generated_rule_count():
+    """One number of primitives with a rule: the one docs/operators.md counts."""
+    count = re.search(r"^\| rule \| (\d+) \|$", coverage.DOC_PATH.read_text(), re.M).group(1)
+    places = [(ROOT / "README.md", "Scale rules for {} primitives"),
+              (ROOT / "docs" / "index.md", "Rules exist for {} primitives")]  # fmt: skip
+    for path, sentence in places:
+        assert sentence.format(count) in path.read_text(), (
+            f"{path.name}: write '{sentence.format(count)}' (the count of docs/operators.md)"
+        )

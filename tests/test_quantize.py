@@ -19,7 +19,7 @@ from jax_scaled.formats import storage_dtype
 from jax_scaled.quantize import tracing_for_scalify
 
 ELEMENTS = [f.element_dtype for f in js.formats.MX_FORMATS]
-RULES = ["floor", "rceil"]
+ROUNDINGS = ["floor", "rceil"]
 SHAPE = (128, 256)
 LAYOUTS = {
     "per-tensor": None,
@@ -38,7 +38,7 @@ def _interleaved(shape, blocks):
     return [n for g, b in zip([s // b for s, b in zip(shape, blocks)], blocks) for n in (g, b)]
 
 
-def reference(x: np.ndarray, dtype, block_shape, rule: str) -> tuple[np.ndarray, np.ndarray]:
+def reference(x: np.ndarray, dtype, block_shape, rounding: str) -> tuple[np.ndarray, np.ndarray]:
     """``(data in the element format, float64 scales)`` computed in float64 with numpy."""
     x = np.asarray(x, np.float64)
     top = float(ml_dtypes.finfo(dtype).max)
@@ -47,7 +47,7 @@ def reference(x: np.ndarray, dtype, block_shape, rule: str) -> tuple[np.ndarray,
     tiled = x.reshape(_interleaved(x.shape, blocks))
     odd = tuple(range(1, 2 * x.ndim, 2))
     amax = np.where(np.isfinite(tiled), np.abs(tiled), 0).max(axis=odd, keepdims=True)
-    if rule == "floor":
+    if rounding == "floor":
         exponent = np.frexp(amax)[1] - 1 - emax  # floor(log2(amax)) - emax
     else:  # ceil(log2(amax / top)), exact: the quotient is never a power of two by rounding
         mantissa, exponent = np.frexp(amax / top)
@@ -61,8 +61,8 @@ def reference(x: np.ndarray, dtype, block_shape, rule: str) -> tuple[np.ndarray,
     return data, scale.reshape(grid if block_shape is not None else ())
 
 
-def assert_matches_reference(q: js.ScaledArray, x, dtype, block_shape, rule: str) -> None:
-    data, scale = reference(x, dtype, block_shape, rule)
+def assert_matches_reference(q: js.ScaledArray, x, dtype, block_shape, rounding: str) -> None:
+    data, scale = reference(x, dtype, block_shape, rounding)
     assert q.data.dtype == storage_dtype(dtype)
     expected = data.astype(storage_dtype(dtype)).view(np.uint8)  # float6: exact in E4M3
     np.testing.assert_array_equal(np.asarray(q.data).view(np.uint8), expected)
@@ -118,27 +118,29 @@ def _tile(rng, kind: str, tile, low: int, high: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("dtype", ELEMENTS, ids=str)
 @given(x=block_structured(), e8m0=st.booleans())
-def test_quantize_is_bit_exact(dtype, rule, layout, x, e8m0):
+def test_quantize_is_bit_exact(dtype, rounding, layout, x, e8m0):
     scale_dtype = E8M0 if e8m0 else np.float32
     block_shape = LAYOUTS[layout]
-    q = js.quantize(x, dtype, block_shape=block_shape, scale_rule=rule, scale_dtype=scale_dtype)
+    q = js.quantize(
+        x, dtype, block_shape=block_shape, scale_rounding=rounding, scale_dtype=scale_dtype
+    )
     assert q.scale.dtype == scale_dtype
-    assert_matches_reference(q, x, dtype, block_shape, rule)
+    assert_matches_reference(q, x, dtype, block_shape, rounding)
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("dtype", ELEMENTS, ids=str)
 @given(
     x=hnp.arrays(np.float32, (4, 32), elements=st.floats(width=32, allow_nan=False)),
     layout=st.sampled_from([None, (1, 32), (4, 1), (1, 8), (2, 16)]),
 )
-def test_quantize_is_bit_exact_on_any_float32(dtype, rule, x, layout):
+def test_quantize_is_bit_exact_on_any_float32(dtype, rounding, x, layout):
     """Every float32, subnormals, +-0, +-inf and the largest finite values included."""
-    q = js.quantize(x, dtype, block_shape=layout, scale_rule=rule)
-    assert_matches_reference(q, x, dtype, layout, rule)
+    q = js.quantize(x, dtype, block_shape=layout, scale_rounding=rounding)
+    assert_matches_reference(q, x, dtype, layout, rounding)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
@@ -148,14 +150,14 @@ def test_narrow_inputs_are_quantized_from_their_value(dtype):
     assert_matches_reference(q, x.astype(np.float32), jnp.float8_e4m3fn, (1, 32), "floor")
 
 
-# -- scale rules, zeros and non-finite values -------------------------------------------------
+# -- scale roundings, zeros and non-finite values ---------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", ELEMENTS, ids=str)
 @given(x=block_structured())
 def test_rceil_never_saturates_and_floor_does(dtype, x):
     top = float(ml_dtypes.finfo(dtype).max)
-    q = js.quantize(x, dtype, block_shape=(1, 32), scale_rule="rceil")
+    q = js.quantize(x, dtype, block_shape=(1, 32), scale_rounding="rceil")
     scale = np.repeat(np.asarray(q.scale, np.float64), 32, axis=1)
     assert np.all(np.abs(x / scale) <= top)
     saturating = np.array([[1.0] * 31 + [1.99]], np.float32)
@@ -191,7 +193,7 @@ def test_presets_block_32_elements_along_an_axis_with_e8m0_scales(fmt):
     q = js.quantize(x, fmt, axis=0)
     assert q.block_shape == (32, 1) and q.scale.dtype == E8M0
     assert_matches_reference(q, x, fmt.element_dtype, (32, 1), "floor")
-    rows = js.quantize(x, fmt, scale_rule="rceil")  # axis=-1 by default
+    rows = js.quantize(x, fmt, scale_rounding="rceil")  # axis=-1 by default
     assert rows.block_shape == (1, 32)
     assert_matches_reference(rows, x, fmt.element_dtype, (1, 32), "rceil")
     bits = {8: 8.25, 6: 6.25, 4: 4.25}[ml_dtypes.finfo(fmt.element_dtype).bits]
@@ -213,7 +215,7 @@ def test_float6_data_is_stored_in_e4m3():
         ({"dtype": jnp.float8_e4m3fn, "axis": 0}, ValueError),  # axis needs a preset
         ({"dtype": js.formats.MXFP8_E4M3, "block_shape": (1, 32)}, ValueError),
         ({"dtype": js.formats.MXFP8_E4M3, "axis": 2}, ValueError),
-        ({"dtype": jnp.float8_e4m3fn, "scale_rule": "ceil"}, ValueError),
+        ({"dtype": jnp.float8_e4m3fn, "scale_rounding": "ceil"}, ValueError),
         ({"dtype": jnp.float8_e4m3fn, "scale_dtype": jnp.float16}, ValueError),
         ({"dtype": jnp.int8}, TypeError),
     ],
@@ -339,7 +341,7 @@ def test_quantize_primitive_outside_scalify_rounds_at_scale_one():
         jnp.array([0.3, 1000.0]),
         element_dtype=np.dtype(jnp.float8_e4m3fn),
         block_shape=None,
-        scale_rule="floor",
+        scale_rounding="floor",
         scale_dtype=np.dtype(np.float32),
     )
     assert out.dtype == jnp.float8_e4m3fn
@@ -351,3 +353,53 @@ def test_a_format_named_by_a_string_is_a_preset_or_a_clear_error():
     assert js.quantize(x, "mxfp8_e4m3", axis=-1).block_shape == (1, 32)
     with pytest.raises(ValueError, match="unknown format 'mxfp8'.*MXFP8_E4M3"):
         js.quantize(x, "mxfp8", axis=-1)
+
+
+# -- one vocabulary: formats carry their scale rounding (issue 26) ------------------------------
+
+
+def test_scale_rule_is_a_deprecated_alias_of_scale_rounding():
+    x = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    new = js.quantize(x, jnp.float8_e4m3fn, block_shape=(1, 32), scale_rounding="rceil")
+    with pytest.warns(DeprecationWarning, match="scale_rounding"):
+        old = js.quantize(x, jnp.float8_e4m3fn, block_shape=(1, 32), scale_rule="rceil")
+    np.testing.assert_array_equal(old.to_array(jnp.float32), new.to_array(jnp.float32))
+    np.testing.assert_array_equal(old.scale, new.scale)
+    with pytest.raises(TypeError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        js.quantize(x, jnp.float8_e4m3fn, scale_rule="rceil", scale_rounding="floor")
+
+
+def test_a_format_carries_its_scale_rounding_and_scale_dtype():
+    x = np.random.default_rng(4).standard_normal((8, 256)).astype(np.float32) * 100
+    fmt = js.formats.FP8_E4M3_BLOCK128  # 128 elements, float32 scales, "rceil"
+    q = js.quantize(x, fmt)
+    assert q.block_shape == (1, 128) and q.scale.dtype == np.float32
+    assert_matches_reference(q, x, jnp.float8_e4m3fn, (1, 128), "rceil")
+    floor = js.quantize(x, fmt, scale_rounding="floor", scale_dtype=E8M0)  # overridden
+    assert floor.scale.dtype == E8M0
+    assert_matches_reference(floor, x, jnp.float8_e4m3fn, (1, 128), "floor")
+    free = js.formats.BlockFormat("E5M2", jnp.float8_e5m2, block_size=None)  # blocks per call
+    tiles = js.quantize(x, free, block_shape=(8, 128))
+    assert tiles.block_shape == (8, 128) and tiles.scale.dtype == E8M0
+    assert js.quantize(x, free).scale.shape == ()
+
+
+@pytest.mark.parametrize("bad", [js.nn.MXFP8, (1, 32), object()], ids=["recipe", "tuple", "obj"])
+def test_what_is_no_format_is_refused_with_the_presets_listed(bad):
+    with pytest.raises(TypeError, match="MXFP8_E4M3, MXFP8_E5M2.*FP8_E4M3_BLOCK128"):
+        js.quantize(jnp.ones((2, 64)), bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"element_dtype": jnp.int8},
+        {"element_dtype": jnp.float8_e4m3fn, "scale_dtype": jnp.float16},
+        {"element_dtype": jnp.float8_e4m3fn, "scale_rounding": "ceil"},
+        {"element_dtype": jnp.float8_e4m3fn, "block_size": 0},
+    ],
+)
+def test_a_malformed_format_is_refused(kwargs):
+    with pytest.raises((TypeError, ValueError)):
+        js.formats.BlockFormat("BAD", **kwargs)

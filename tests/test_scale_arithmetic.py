@@ -325,7 +325,7 @@ def test_scalify_folds_constant_arithmetic_without_compiling():
 
 
 def test_configs_and_memos_are_per_thread():
-    """Each thread starts from the default config and no memo (``_threadlocal.ThreadStack``)."""
+    """Each thread starts from the default config and no memo (``context.current()``)."""
     seen = []
 
     def other_thread():

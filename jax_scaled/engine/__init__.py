@@ -1,6 +1,8 @@
 """The engine: how ``scalify`` walks a jaxpr and hands each equation to its scale rule.
 
 * :mod:`~jax_scaled.engine.interpreter`: the jaxpr walk and ``scalify`` itself;
+* :mod:`~jax_scaled.engine.tracing`: tracing on pytree arguments and the per-equation
+  evaluation loop (shared with ``dot_formats``);
 * :mod:`~jax_scaled.engine.registry`: one record per primitive (its rule and properties);
 * :mod:`~jax_scaled.engine.facts`, :mod:`~jax_scaled.engine.estimates`: static facts and
   magnitude estimates of plain values;

@@ -1,6 +1,6 @@
 """Block scales through scalify: how a scale rule meets block-scaled operands.
 
-When an operand of an equation has block scales (:mod:`jax_scaled.scales.blocks`), the
+When an operand of an equation has block scales (:mod:`jax_scaled.scales.geometry`), the
 interpreter hands the equation to :func:`apply_rule` instead of the rule itself:
 
 * a primitive whose record has a block rule (``register_block_rule``: layout ops,
@@ -34,9 +34,8 @@ from jax_scaled.array import ScaledArray, Value
 from jax_scaled.engine import recording
 from jax_scaled.engine.facts import Slot
 from jax_scaled.engine.registry import PrimitiveRecord, Property
-from jax_scaled.scales import blocks as geometry
-from jax_scaled.scales.blocks import is_blocked
-from jax_scaled.scales.values import make_scale, per_tensor_scale, rescale, scale_f32
+from jax_scaled.scales import geometry, make_scale, per_tensor_scale, rescale, scale_f32
+from jax_scaled.scales.geometry import is_blocked
 
 
 class Unsupported(Exception):

@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.context import ThreadStack
+from jax_scaled import context
 from jax_scaled.dtypes import is_narrow_float
 
 
@@ -78,29 +78,24 @@ class TrueConstants:
         return None if entry is None or entry[0] is not literal else entry[1]
 
 
-_active = ThreadStack()
-
-
 @contextlib.contextmanager
 def true_constants(found: TrueConstants) -> Iterator[None]:
-    """A block in which :func:`true_value` answers from ``found`` (scalify opens one per call).
+    """A block in which :func:`true_value` answers from ``found`` (a scalify call's context
+    holds those of the call).
 
     Example:
         >>> with true_constants(TrueConstants()):
         ...     true_value(object()) is None
         True
     """
-    _active.items.append(found)
-    try:
+    with context.entered(constants=found):
         yield
-    finally:
-        _active.items.pop()
 
 
 def true_value(literal: Any) -> float | None:
     """The value the source wrote for a literal the trace rounded away; None for the others."""
-    stack = _active.items
-    return stack[-1].get(literal) if stack and stack[-1] else None
+    found = context.current().constants
+    return found.get(literal) if found else None
 
 
 def is_rounded_away(value: Any) -> bool:

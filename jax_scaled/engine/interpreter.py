@@ -16,28 +16,24 @@ The public API for higher-order rules: :func:`interpret_closed`, :func:`interpre
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-
 from jax_scaled import _jax_internals as jxi
+from jax_scaled import context
 from jax_scaled.any_scale import AnyScaleValue
-from jax_scaled.array import ScaledArray, Value, engine_builds, is_array_like
+from jax_scaled.array import Value, is_array_like
 from jax_scaled.config import ScalifyConfig
-from jax_scaled.context import ThreadStack
-from jax_scaled.dtypes import compute_dtype, is_narrow_float
+from jax_scaled.dtypes import is_narrow_float
 from jax_scaled.engine import block_dispatch, constants, recording
 from jax_scaled.engine.facts import Slot, constant_slot, forwarded
 from jax_scaled.engine.fusion import bundle_scales
 from jax_scaled.engine.peephole import transposed_contractions
 from jax_scaled.engine.promotion import normalized_scalar, normalizes, promote_inputs
 from jax_scaled.engine.registry import Property, record
-from jax_scaled.memo import scale_memo
-from jax_scaled.quantize import tracing_for_scalify
-from jax_scaled.scales.blocks import is_blocked
+from jax_scaled.engine.tracing import Traced, bind_eqn, call_traced, evaluate_jaxpr
+from jax_scaled.scales.geometry import is_blocked
 
 
 def scalify(fn: Callable, *, config: ScalifyConfig | None = None) -> Callable:
@@ -68,47 +64,23 @@ def scalify(fn: Callable, *, config: ScalifyConfig | None = None) -> Callable:
     if not callable(fn):
         raise TypeError(f"scalify expects a function, got {type(fn).__name__}: {fn!r}.")
 
+    check = functools.partial(_check_outputs, fn)
+
     @functools.wraps(fn)
     def scalified(*args, **kwargs):
-        with config if config is not None else contextlib.nullcontext():
-            return _scalify_call(fn, args, kwargs)
+        # The call's one context: traces (js.quantize binds its primitive), then runs rules.
+        with context.scalify_call(config):
+            return call_traced(fn, args, kwargs, _interpret, scaled_leaves=True, check=check)
 
     return scalified
 
 
-def _abstract(x: Any, widen: bool = False) -> jax.ShapeDtypeStruct:
-    weak_type = bool(getattr(getattr(x, "aval", None), "weak_type", False))
-    if isinstance(x, ScaledArray):
-        weak_type = False
-    # Inside shard_map, keep the mesh axes the value varies over (check_vma typing).
-    manual = jxi.manual_axis_kwargs(x.data if isinstance(x, ScaledArray) else x)
-    dtype = compute_dtype(x.dtype) if widen else x.dtype
-    return jax.ShapeDtypeStruct(x.shape, dtype, weak_type=weak_type, **manual)
-
-
-def _scalify_call(fn: Callable, args: tuple, kwargs: dict) -> Any:
-    leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=lambda x: isinstance(x, ScaledArray))
-    is_dynamic = [isinstance(x, ScaledArray) or is_array_like(x) for x in leaves]
-    dynamic = [x for x, d in zip(leaves, is_dynamic, strict=False) if d]
-    out_tree_box: list = []
-
-    def flat_fn(*dynamic_values):
-        values = iter(dynamic_values)
-        merged = [next(values) if d else x for x, d in zip(leaves, is_dynamic, strict=False)]
-        call_args, call_kwargs = jax.tree.unflatten(in_tree, merged)
-        out_leaves, out_tree = jax.tree.flatten(fn(*call_args, **call_kwargs))
-        _check_outputs(fn, out_leaves)
-        out_tree_box.append(out_tree)
-        return out_leaves
-
-    with tracing_for_scalify():  # js.quantize binds its primitive, a plain array here
-        closed = jax.make_jaxpr(flat_fn)(*[_abstract(x) for x in dynamic])
-        found = _true_constants(flat_fn, closed, dynamic)
-    with scale_memo(), constants.true_constants(found), engine_builds():
-        in_slots = [Slot(normalized_scalar(x) if normalizes(x) else x) for x in dynamic]
-        out_slots = interpret_jaxpr(closed.jaxpr, closed.consts, in_slots)
-        outputs = bundle_scales([s.value for s in out_slots], dynamic)
-    return jax.tree.unflatten(out_tree_box[0], outputs)
+def _interpret(traced: Traced) -> list:
+    """The traced function's outputs, its jaxpr run with scale rules."""
+    context.start_rules(_true_constants(traced))
+    in_slots = [Slot(normalized_scalar(x) if normalizes(x) else x) for x in traced.arrays]
+    out_slots = interpret_closed(traced.closed, in_slots)
+    return bundle_scales([s.value for s in out_slots], traced.arrays)
 
 
 def _check_outputs(fn: Callable, leaves: list) -> None:
@@ -122,47 +94,37 @@ def _check_outputs(fn: Callable, leaves: list) -> None:
             )
 
 
-def _true_constants(
-    flat_fn: Callable, closed: jxi.ClosedJaxpr, dynamic: list
-) -> constants.TrueConstants:
+def _true_constants(traced: Traced) -> constants.TrueConstants:
     """Constants such as optax's ``eps=1e-8`` that a narrow trace rounded to 0 or inf."""
-    if not any(is_narrow_float(x.dtype) for x in dynamic):
+    if not any(is_narrow_float(x.dtype) for x in traced.arrays):
         return constants.TrueConstants()
-    widened = [_abstract(x, widen=True) for x in dynamic]
-    return constants.recover_constants(closed, lambda: jax.make_jaxpr(flat_fn)(*widened))
+    return constants.recover_constants(traced.closed, lambda: traced.retraced(widen=True))
 
 
 def interpret_jaxpr(
     jaxpr: jxi.Jaxpr, consts: Sequence[Any], in_slots: Sequence[Slot]
 ) -> list[Slot]:
     """Run ``jaxpr`` on slots, applying scale rules; returns the output slots."""
-    env: dict[jxi.Var, Slot] = {}
+    eqns, pairs = jaxpr.eqns, transposed_contractions(jaxpr).items()
+    swaps = {id(eqns[i]): (eqns[j], swapped) for i, (j, swapped) in pairs}
+    passed_on: set[int] = set()  # transposes whose value their swapped dot computed
 
-    def read(atom) -> Slot:
-        if isinstance(atom, jxi.Literal):
-            return constant_slot(atom.val, constants.true_value(atom))
-        return env[atom]
-
-    for var, const in zip(jaxpr.constvars, consts, strict=False):
-        env[var] = constant_slot(const)
-    for var, slot in zip(jaxpr.invars, in_slots, strict=True):
-        env[var] = slot
-    swaps = transposed_contractions(jaxpr)
-    skipped: set[int] = set()
-    for index, eqn in enumerate(jaxpr.eqns):
-        if index in skipped:
-            continue
-        eqn_slots = [read(v) for v in eqn.invars]
-        swap = swaps.get(index)
+    def step(eqn: jxi.JaxprEqn, eqn_slots: list[Slot]) -> list[Slot]:
+        if id(eqn) in passed_on:
+            return eqn_slots
+        swap = swaps.get(id(eqn))
         if swap is not None and any(s.is_scaled for s in eqn_slots):
-            # A scaled weight gradient: the swapped dot writes the transposed result itself.
-            transpose_index, eqn = swap
-            skipped.add(transpose_index)
-            eqn_slots.reverse()
-        for var, slot in zip(eqn.outvars, interpret_eqn(eqn, eqn_slots), strict=True):
-            if not isinstance(var, jxi.DropVar):
-                env[var] = slot
-    return [read(v) for v in jaxpr.outvars]
+            # A scaled weight gradient: the swapped dot computes the transpose's value.
+            transpose, eqn = swap
+            passed_on.add(id(transpose))
+            eqn_slots = eqn_slots[::-1]
+        return interpret_eqn(eqn, eqn_slots)
+
+    def literal(atom: jxi.Literal) -> Slot:
+        return constant_slot(atom.val, constants.true_value(atom))
+
+    const_slots = [constant_slot(c) for c in consts]
+    return evaluate_jaxpr(jaxpr, const_slots, in_slots, step, literal)
 
 
 def interpret_closed(closed: jxi.ClosedJaxpr, in_slots: Sequence[Slot]) -> list[Slot]:
@@ -186,7 +148,7 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
     if found.higher_order is not None:
         if not found.has(Property.BLOCKS_INSIDE) and any(is_blocked(s.value) for s in in_slots):
             in_slots = block_dispatch.per_tensor_slots(eqn, in_slots, source_line(eqn))
-        with _enclosing(eqn), jxi.eqn_user_context(eqn):
+        with context.entered(enclosing_line=source_line(eqn)), jxi.eqn_user_context(eqn):
             return found.higher_order(eqn, in_slots)
     if found.rule is None:
         raise NotImplementedError(
@@ -231,23 +193,9 @@ def _needs_facts_inside(found: Any, in_slots: list[Slot]) -> bool:
 
 
 def _forward(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
-    subfuns, params = jxi.eqn_bind_params(eqn)
     with jxi.eqn_user_context(eqn):
-        outs = eqn.primitive.bind(*subfuns, *[s.value for s in in_slots], **params)
-    return forwarded(eqn, in_slots, list(outs) if eqn.primitive.multiple_results else [outs])
-
-
-# The source lines of the higher-order equations being interpreted, innermost last.
-_enclosing_lines = ThreadStack()
-
-
-@contextlib.contextmanager
-def _enclosing(eqn: jxi.JaxprEqn) -> Iterator[None]:
-    _enclosing_lines.items.append(source_line(eqn))
-    try:
-        yield
-    finally:
-        _enclosing_lines.items.pop()
+        outs = bind_eqn(eqn, [s.value for s in in_slots])
+    return forwarded(eqn, in_slots, outs)
 
 
 def source_line(eqn: jxi.JaxprEqn) -> str:
@@ -261,7 +209,7 @@ def source_line(eqn: jxi.JaxprEqn) -> str:
     line = jxi.eqn_source_line(eqn)
     if line and not line.startswith(":"):
         return line
-    return next((s for s in reversed(_enclosing_lines.items) if s), "<unknown location>")
+    return context.current().enclosing_line or "<unknown location>"
 
 
 def _check_rule_outputs(eqn: jxi.JaxprEqn, outs: list[Value]) -> None:

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_scaled import context
 from jax_scaled.array import ScaledArray
-from jax_scaled.context import ThreadStack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +148,6 @@ class _Recorder:
         return self.count - 1
 
 
-_recorders = ThreadStack()  # of _Recorder
-
-
 @contextlib.contextmanager
 def record_scales() -> Iterator[list[ScaleRecord]]:
     """Record a :class:`ScaleRecord` for every scaled floating output of every scale rule.
@@ -173,13 +170,10 @@ def record_scales() -> Iterator[list[ScaleRecord]]:
         >>> records[0].primitive, records[0].rms, records[0].scale
         ('mul', 1.0, 2.0)
     """
-    recorder = _Recorder()
-    _recorders.items.append(recorder)
-    try:
+    recorder = _Recorder()  # outlives the block: the program's callbacks fill it as it runs
+    with context.entered(recorder=recorder):
         yield recorder.records
         jax.effects_barrier()
-    finally:
-        _recorders.items.remove(recorder)
     recorder.records.sort(key=lambda r: r.index)
 
 
@@ -193,7 +187,7 @@ def is_recording() -> bool:
         >>> js.diagnostics.is_recording()
         False
     """
-    return bool(_recorders.items)
+    return context.current().recorder is not None
 
 
 def observe(
@@ -221,7 +215,7 @@ def observe(
         >>> records[0].primitive, records[0].rms
         ('mul', 1.0)
     """
-    recorder = _recorders.items[-1]
+    recorder = context.current().recorder
     for out in outputs:
         if not isinstance(out, ScaledArray) or not jnp.issubdtype(out.dtype, jnp.floating):
             continue

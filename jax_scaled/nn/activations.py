@@ -22,7 +22,7 @@ from jax import lax
 from jax_scaled.array import ScaledArray
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.scales.values import as_scaled, make_scale, round_scale, scale_f32
+from jax_scaled.scales import as_scaled, make_scale, round_scale, scale_f32
 
 Gate = Callable[[jax.Array], jax.Array]
 

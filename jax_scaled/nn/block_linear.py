@@ -7,12 +7,12 @@ matmul's contracting axis** (:func:`~jax_scaled.quantize.quantize`):
 ============================  =====================  ======================================
 matmul                        contracting axis       operands quantized
 ============================  =====================  ======================================
-forward ``y = x w``           ``K``                  ``x`` in rows of ``x_block`` along K,
-                                                     ``w`` in ``w_block`` blocks
-input grad ``dx = g w^T``     ``N``                  ``g`` in rows of ``x_block`` along N,
-                                                     ``w`` in transposed ``w_block`` blocks
-weight grad ``dw = x^T g``    ``M`` (the batch)      ``x`` and ``g`` in columns of
-                                                     ``x_block`` along M
+forward ``y = x w``           ``K``                  ``x`` to format ``recipe.x`` in rows
+                                                     of its block size along K, ``w`` to
+                                                     ``recipe.w`` in ``w_block`` blocks
+input grad ``dx = g w^T``     ``N``                  ``g`` to ``recipe.grad`` in rows along
+                                                     N, ``w`` in transposed ``w_block``
+weight grad ``dw = x^T g``    ``M`` (the batch)      ``x`` and ``g`` in columns along M
 ============================  =====================  ======================================
 
 The transposed operands of the backward matmuls are quantized again **from the
@@ -26,13 +26,17 @@ ScaledArrays of FP8/FP4 data and each matmul is scalify's block ``dot_general`` 
 quantized operands are dequantized to float32 before the product: the same values as an
 FP8/FP4 GEMM with float32 accumulation (a simulation on hardware without one).
 
-Recipes (:class:`BlockRecipe`):
+Recipes (:class:`~jax_scaled.formats.BlockRecipe`, built from
+:class:`~jax_scaled.formats.BlockFormat` s; defined in :mod:`jax_scaled.formats`, the same
+objects as ``js.formats.MXFP8``, ...). A format ``F`` where a recipe is expected means ``F``
+everywhere (``js.formats.MXFP8_E4M3`` is :data:`MXFP8_E4M3_GRADS`).
 
-* :data:`MXFP8`: E4M3 forward, E5M2 gradients, blocks of 32, E8M0 scales (OCP MX, "floor");
+* :data:`MXFP8`: E4M3 forward, E5M2 gradients, blocks of 32, E8M0 scales (OCP MX, "floor"
+  scale rounding);
 * :data:`MXFP8_E4M3_GRADS`: E4M3 everywhere;
 * :data:`MXFP4_WEIGHTS`: E2M1 weights, E4M3 activations, E5M2 gradients (blocks of 32);
 * :data:`FP8_BLOCK128`: E4M3 everywhere, 1x128 activation and gradient tiles and 128x128
-  weight blocks, scales that never saturate ("rceil"), as in FP8 LLM training recipes.
+  weight blocks, float32 scales that never saturate ("rceil"), as in FP8 LLM training recipes.
 
 Example:
     >>> x = jax.random.normal(jax.random.key(0), (64, 128))
@@ -40,78 +44,50 @@ Example:
     >>> y = block_linear(x, w, MXFP8)
     >>> bool(jnp.abs(y - x @ w).max() < 0.1 * jnp.abs(x @ w).max())
     True
+    >>> e4m3 = js.formats.MXFP8_E4M3  # a format: E4M3 everywhere
+    >>> bool((block_linear(x, w, e4m3) == block_linear(x, w, MXFP8_E4M3_GRADS)).all())
+    True
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
 from jax_scaled.array import ScaledArray
+from jax_scaled.formats import (
+    FP8_BLOCK128,
+    MXFP4_WEIGHTS,
+    MXFP8,
+    MXFP8_E4M3_GRADS,
+    BlockFormat,
+    BlockRecipe,
+    as_recipe,
+)
 from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.quantize import quantize
 
 F32 = jnp.dtype(jnp.float32)
-E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockRecipe:
-    """The formats and blocks of a block-scaled :func:`block_linear`.
-
-    ``x``, ``w``, ``grad``: element formats of the activations, the weights and the output
-    gradient. ``x_block``: elements per scale of activations and gradients along a matmul's
-    contracting axis. ``w_block``: the weight's blocks ``(along K, along N)``: ``(32, 1)``
-    for MX, ``(128, 128)`` for square tiles. ``scale_rule`` and ``scale_dtype`` as in
-    :func:`~jax_scaled.quantize.quantize`.
-
-    Example:
-        >>> recipe = BlockRecipe(jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float8_e5m2, 16)
-        >>> recipe.w_block, recipe.scale_rule
-        ((16, 1), 'floor')
-    """
-
-    x: DTypeLike
-    w: DTypeLike
-    grad: DTypeLike
-    x_block: int = 32
-    w_block: tuple[int, int] | None = None
-    scale_rule: str = "floor"
-    scale_dtype: DTypeLike = E8M0
-
-    def __post_init__(self) -> None:
-        for name in ("x", "w", "grad", "scale_dtype"):
-            object.__setattr__(self, name, np.dtype(getattr(self, name)))
-        w_block = (self.x_block, 1) if self.w_block is None else tuple(self.w_block)
-        object.__setattr__(self, "w_block", w_block)
-        if self.x_block < 1 or len(w_block) != 2 or min(w_block) < 1:
-            raise ValueError(f"blocks must be positive: x_block {self.x_block}, w_block {w_block}")
-
-
-E4M3, E5M2, E2M1 = (np.dtype(d) for d in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"))
-MXFP8 = BlockRecipe(E4M3, E4M3, E5M2)
-MXFP8_E4M3_GRADS = BlockRecipe(E4M3, E4M3, E4M3)
-MXFP4_WEIGHTS = BlockRecipe(E4M3, E2M1, E5M2)
-FP8_BLOCK128 = BlockRecipe(E4M3, E4M3, E4M3, 128, (128, 128), "rceil", F32)
-
-
-def block_linear(x: jax.Array, w: jax.Array, recipe: BlockRecipe) -> jax.Array:
+def block_linear(x: jax.Array, w: jax.Array, recipe: BlockRecipe | BlockFormat) -> jax.Array:
     """``x @ w`` with every matmul (forward and both gradients) on block-quantized operands.
 
     Args:
         x: activations of shape ``(..., K)``; the leading axes are flattened into ``M``
             (the weight gradient's contracting axis).
         w: a ``(K, N)`` weight.
-        recipe: formats and blocks (:data:`MXFP8`, :data:`FP8_BLOCK128`, ...). ``K``, ``N``
-            and ``M`` must be multiples of the blocks along them.
+        recipe: formats and blocks: a :class:`~jax_scaled.formats.BlockRecipe`
+            (:data:`MXFP8`, :data:`FP8_BLOCK128`, ...) or a
+            :class:`~jax_scaled.formats.BlockFormat` ``F`` (``F`` everywhere); anything else
+            is refused with a ``TypeError`` naming the presets. ``K``, ``N`` and ``M`` must be
+            multiples of the blocks along them.
 
     Returns:
         ``x @ w`` of shape ``(..., N)``, in ``x``'s dtype. Gradients (reverse mode) in ``x``'s
@@ -123,6 +99,7 @@ def block_linear(x: jax.Array, w: jax.Array, recipe: BlockRecipe) -> jax.Array:
         ...     lambda w: block_linear(x, w, MXFP8).sum())(w)[0, 0].item()
         (32.0, 32.0)
     """
+    recipe = as_recipe(recipe, "block_linear(x, w, recipe)")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"block_linear needs x (..., K) and w (K, N); got {x.shape}, {w.shape}")
     untiled = untiled_axes(x.shape, w.shape, recipe)
@@ -132,19 +109,26 @@ def block_linear(x: jax.Array, w: jax.Array, recipe: BlockRecipe) -> jax.Array:
     return _block_matmul(rows, w, recipe).reshape(*x.shape[:-1], w.shape[1])
 
 
-def untiled_axes(x_shape: tuple, w_shape: tuple, recipe: BlockRecipe) -> str:
+def untiled_axes(x_shape: tuple, w_shape: tuple, recipe: BlockRecipe | BlockFormat) -> str:
     """The axes of ``x (..., K) @ w (K, N)`` that ``recipe``'s blocks do not tile, described
-    (empty if they all are).
+    (empty if they all are). ``recipe`` as in :func:`block_linear`.
 
     Example:
         >>> untiled_axes((4, 64, 96), (96, 128), FP8_BLOCK128)
         'K = 96 (a multiple of 128)'
         >>> untiled_axes((64, 96), (96, 64), MXFP8)
         ''
+        >>> untiled_axes((64, 96), (96, 64), js.formats.MXFP8_E4M3)
+        ''
     """
-    (wk, wn), b = recipe.w_block, recipe.x_block
+    recipe = as_recipe(recipe, "untiled_axes(x_shape, w_shape, recipe)")
+    (wk, wn), xb, gb = recipe.w_block, recipe.x.block_size, recipe.grad.block_size
     m, (k, n) = int(np.prod(x_shape[:-1])), w_shape
-    needs = {"K": (k, np.lcm(b, wk)), "N": (n, np.lcm(b, wn)), "M (the flattened batch)": (m, b)}
+    needs = {
+        "K": (k, np.lcm(xb, wk)),
+        "N": (n, np.lcm(gb, wn)),
+        "M (the flattened batch)": (m, np.lcm(xb, gb)),
+    }
     return ", ".join(
         f"{axis} = {size} (a multiple of {need})"
         for axis, (size, need) in needs.items()
@@ -158,18 +142,18 @@ def _block_matmul(x: jax.Array, w: jax.Array, recipe: BlockRecipe) -> jax.Array:
 
 
 def _forward(x: jax.Array, w: jax.Array, recipe: BlockRecipe) -> tuple:
-    xq = _quantize(x, recipe.x, (1, recipe.x_block), recipe)
-    wq = _quantize(w, recipe.w, recipe.w_block, recipe)
+    xq = _quantize(x, recipe.x, (1, recipe.x.block_size))
+    wq = _quantize(w, recipe.w, recipe.w_block)
     return _contract(xq, wq, ((1,), (0,)), x.dtype), (x, w)
 
 
 def _backward(recipe: BlockRecipe, residuals: tuple, g: jax.Array) -> tuple:
     x, w = residuals
-    g_rows = _quantize(g, recipe.grad, (1, recipe.x_block), recipe)  # blocks along N
-    w_t = _quantize(w, recipe.w, recipe.w_block[::-1], recipe)  # again, from w: along N
+    g_rows = _quantize(g, recipe.grad, (1, recipe.grad.block_size))  # blocks along N
+    w_t = _quantize(w, recipe.w, recipe.w_block[::-1])  # again, from w: along N
     dx = _contract(g_rows, w_t, ((1,), (1,)), x.dtype)
-    x_cols = _quantize(x, recipe.x, (recipe.x_block, 1), recipe)  # from x: along M
-    g_cols = _quantize(g, recipe.grad, (recipe.x_block, 1), recipe)
+    x_cols = _quantize(x, recipe.x, (recipe.x.block_size, 1))  # from x: along M
+    g_cols = _quantize(g, recipe.grad, (recipe.grad.block_size, 1))
     dw = _contract(x_cols, g_cols, ((0,), (0,)), w.dtype)
     return dx, dw
 
@@ -177,10 +161,11 @@ def _backward(recipe: BlockRecipe, residuals: tuple, g: jax.Array) -> tuple:
 _block_matmul.defvjp(_forward, _backward)
 
 
-def _quantize(value: jax.Array, dtype: np.dtype, blocks, recipe: BlockRecipe) -> Any:
+def _quantize(value: jax.Array, fmt: BlockFormat, blocks: tuple[int, int]) -> Any:
+    """``value`` in ``fmt``'s elements, scale dtype and rounding, in blocks of ``blocks``."""
     return quantize(
-        value, dtype, block_shape=blocks, scale_rule=recipe.scale_rule,
-        scale_dtype=recipe.scale_dtype,
+        value, fmt.element_dtype, block_shape=blocks, scale_rounding=fmt.scale_rounding,
+        scale_dtype=fmt.scale_dtype,
     )  # fmt: skip
 
 

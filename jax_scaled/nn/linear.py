@@ -22,6 +22,7 @@ the same layer then stays accurate at any magnitude.
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -29,7 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
-from jax_scaled.nn.block_linear import BlockRecipe, block_linear
+from jax_scaled.formats import BlockFormat, BlockRecipe, as_recipe
+from jax_scaled.nn.block_linear import block_linear
 from jax_scaled.nn.cast_contraction import CastFormats, Contraction, cast_contraction
 from jax_scaled.ops.casts import reduce_precision_on_backward
 from jax_scaled.ops.stochastic import RoundingMode, check_rounding
@@ -47,7 +49,7 @@ def linear(
     preferred_element_type: DTypeLike | None = None,
     grad_rounding: RoundingMode = "nearest",
     key: jax.Array | None = None,
-    block: BlockRecipe | int | None = None,
+    block: BlockRecipe | BlockFormat | int | None = None,
 ) -> jax.Array:
     """``x @ w + b`` with the formats of an FP8 matmul chosen independently.
 
@@ -100,12 +102,14 @@ def linear(
         key: PRNG key of the stochastic gradient rounding (``jax.random.key``); unused by
             ``"nearest"``.
         block: block scales instead of casts (:mod:`jax_scaled.nn.block_linear`): a recipe
-            (``js.nn.MXFP8``, ``js.nn.MXFP8_E4M3_GRADS``, ``js.nn.MXFP4_WEIGHTS``,
-            ``js.nn.FP8_BLOCK128``; then leave the three dtypes unset), or a block size
+            (:class:`~jax_scaled.formats.BlockRecipe`: ``js.nn.MXFP8``,
+            ``js.nn.MXFP8_E4M3_GRADS``, ``js.nn.MXFP4_WEIGHTS``, ``js.nn.FP8_BLOCK128``) or a
+            format ``F`` meaning ``F`` everywhere (:class:`~jax_scaled.formats.BlockFormat`:
+            ``js.formats.MXFP8_E4M3``); then leave the three dtypes unset. Or a block size
             (MX blocks of that many elements along every matmul's contracting axis, E8M0
-            scales, formats ``x_dtype``, ``w_dtype``, ``grad_dtype``, all three needed).
-            ``w`` must be 2-D; ``wgrad_dtype``, ``preferred_element_type`` and stochastic
-            rounding do not apply.
+            scales, "floor" scale rounding, formats ``x_dtype``, ``w_dtype``,
+            ``grad_dtype``, all three needed). ``w`` must be 2-D; ``wgrad_dtype``,
+            ``preferred_element_type`` and stochastic rounding do not apply.
 
     Returns:
         The output array, of dtype ``preferred_element_type`` (promoted with ``b``'s).
@@ -123,6 +127,9 @@ def linear(
         >>> loss = lambda x: jnp.sum(linear(x, jnp.ones((1, 1)), **sr) * 0.3)  # cotangent 0.3
         >>> jax.grad(loss)(jnp.ones((4, 1))).ravel()  # E5M2 neighbours 0.25, 0.3125; mean 0.3
         Array([0.25  , 0.25  , 0.3125, 0.3125], dtype=float32)
+        >>> x, w = jnp.full((32, 32), 3.0), jnp.full((32, 32), 0.5)
+        >>> float(linear(x, w, block=js.formats.MXFP8_E4M3)[0, 0])  # block-scaled E4M3
+        48.0
     """
     if block is not None:
         recipe = _block_recipe(block, x_dtype, w_dtype, grad_dtype)
@@ -154,18 +161,22 @@ def linear(
     return y if b is None else y + b
 
 
-def _block_recipe(block: BlockRecipe | int, *dtypes: DTypeLike | None) -> BlockRecipe:
-    """The recipe of ``linear(block=...)``: a recipe as given, or MX blocks of ``block``
-    elements in the three formats."""
+def _block_recipe(block: BlockRecipe | BlockFormat | int, *dtypes: DTypeLike | None) -> BlockRecipe:
+    """The recipe of ``linear(block=...)``: a recipe as given, a format everywhere, or MX
+    blocks of ``block`` elements in the three formats."""
     given = [d is not None for d in dtypes]
-    if isinstance(block, BlockRecipe):
-        if any(given):
-            raise ValueError("linear(block=recipe) takes its formats from the recipe: leave "
-                             "x_dtype, w_dtype and grad_dtype unset.")  # fmt: skip
-        return block
-    if not all(given):
-        raise ValueError(f"linear(block={block!r}) needs x_dtype, w_dtype and grad_dtype.")
-    return BlockRecipe(*dtypes, x_block=int(block))
+    if isinstance(block, numbers.Integral) and not isinstance(block, bool):
+        if not all(given):
+            raise ValueError(f"linear(block={block!r}) needs x_dtype, w_dtype and grad_dtype.")
+        x, w, grad = (BlockFormat(f"{jnp.dtype(d).name}/{block}", d, int(block)) for d in dtypes)
+        return BlockRecipe(x, w, grad)
+    recipe = as_recipe(
+        block, "linear(block=...)", also=", or a block size with x_dtype, w_dtype and grad_dtype"
+    )
+    if any(given):
+        raise ValueError("linear(block=recipe) takes its formats from the recipe: leave "
+                         "x_dtype, w_dtype and grad_dtype unset.")  # fmt: skip
+    return recipe
 
 
 class _Formats(NamedTuple):

@@ -27,7 +27,7 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.pow2.traced import pow2_reciprocal
-from jax_scaled.scales.values import as_scaled, make_scale, round_scale, scale_f32, scale_mul
+from jax_scaled.scales import as_scaled, make_scale, round_scale, scale_f32, scale_mul
 
 
 def _centered(x: jax.Array, center: bool) -> jax.Array:

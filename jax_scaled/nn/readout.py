@@ -20,14 +20,7 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.nn.linear import linear
-from jax_scaled.scales.values import (
-    as_scaled,
-    make_scale,
-    scale_f32,
-    scale_mul,
-    sqrt_pow2,
-    times_scalar,
-)
+from jax_scaled.scales import as_scaled, make_scale, scale_f32, scale_mul, sqrt_pow2, times_scalar
 
 
 def linear_readout(

@@ -40,8 +40,15 @@ from jax import lax
 from jax_scaled.array import ScaledArray
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.scales.guard import guarded, sums_guarded
-from jax_scaled.scales.values import as_scaled, make_scale, round_scale, safe_ratio, scale_f32
+from jax_scaled.scales import (
+    as_scaled,
+    guarded,
+    make_scale,
+    round_scale,
+    safe_ratio,
+    scale_f32,
+    sums_guarded,
+)
 
 
 def residual_weights(tau: float) -> tuple[float, float]:

@@ -42,10 +42,11 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.pow2.static import is_static
-from jax_scaled.scales.guard import guard_band, guard_factors
-from jax_scaled.scales.values import (
+from jax_scaled.scales import (
     as_scaled,
     from_compute,
+    guard_band,
+    guard_factors,
     make_scale,
     round_scale,
     scale_f32,

@@ -36,7 +36,7 @@ from jax_scaled.config import current_config
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine.registry import register_scale_rule
 from jax_scaled.pow2.traced import pow2_round, pow2_round_positive
-from jax_scaled.scales.values import make_scale, rescale, scale_f32
+from jax_scaled.scales import make_scale, rescale, scale_f32
 
 NORMS = ("l1", "l2", "max")
 

@@ -45,8 +45,7 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine.registry import Property, register_scale_rule
-from jax_scaled.scales.guard import guard_factors
-from jax_scaled.scales.values import make_scale, scale_f32, scale_mul, times_scalar
+from jax_scaled.scales import guard_factors, make_scale, scale_f32, scale_mul, times_scalar
 
 RoundingMode = Literal["nearest", "stochastic"]
 ROUNDING_MODES = ("nearest", "stochastic")

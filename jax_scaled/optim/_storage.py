@@ -23,7 +23,7 @@ from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.ops.rescale import dynamic_rescale_rule
 from jax_scaled.quantize import quantize
 from jax_scaled.rules.casts import saturate
-from jax_scaled.scales.values import as_scaled
+from jax_scaled.scales import as_scaled
 from jax_scaled.tree import tree_leaves, tree_map
 
 # The update functions of scaled_state transformations (to refuse wrapping them in a cond).
@@ -146,7 +146,7 @@ def stored(
     """A floating leaf as it is stored between steps (traced under scalify).
 
     With ``block_size``, quantized to ``dtype`` with one power-of-two scale per block
-    (:func:`storage_blocks`; the ``"rceil"`` rule: each block's largest value at the top of
+    (:func:`storage_blocks`; ``"rceil"`` scale rounding: each block's largest value at the top of
     the format, never saturated), so each block keeps the format's whole range below its own
     largest element. Otherwise one scale: made scaled (:func:`promote_plain`), rescaled while
     its data is still wide, clipped to the finite range of ``dtype`` (no ``inf``/``NaN`` from
@@ -158,7 +158,9 @@ def stored(
         dtype = wider_dtype(dtype, jnp.float32)
     blocks = storage_blocks(jnp.shape(x), block_size)
     if blocks is not None:
-        return quantize(x, dtype, block_shape=blocks, scale_rule="rceil", scale_dtype=scale_dtype)
+        return quantize(
+            x, dtype, block_shape=blocks, scale_rounding="rceil", scale_dtype=scale_dtype
+        )
     x = rescaled(promote_plain(x), rescale)
     return saturate(x, dtype).astype(dtype)
 

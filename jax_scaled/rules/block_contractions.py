@@ -45,10 +45,10 @@ from jax import lax
 from jax_scaled.array import ScaledArray, Value, expand_scale
 from jax_scaled.engine.registry import register_block_rule
 from jax_scaled.rules.toolkit import bind_contraction
-from jax_scaled.scales import blocks as geometry
-from jax_scaled.scales.guard import guard_factors
-from jax_scaled.scales.values import (
+from jax_scaled.scales import (
     as_scaled,
+    geometry,
+    guard_factors,
     make_scale,
     per_tensor_scale,
     scale_f32,

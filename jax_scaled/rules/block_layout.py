@@ -27,8 +27,7 @@ from jax import lax
 from jax_scaled.array import ScaledArray, Value
 from jax_scaled.engine.block_dispatch import Unsupported, coarsened, map_blocks
 from jax_scaled.engine.registry import record, register_block_rule
-from jax_scaled.scales import blocks as geometry
-from jax_scaled.scales.values import as_scaled
+from jax_scaled.scales import as_scaled, geometry
 
 
 def _scale(x: Value) -> Any:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.engine.registry import register_scale_rule
-from jax_scaled.scales.values import Value, scale_f32, to_compute
+from jax_scaled.scales import scale_f32, to_compute
 
 
 @register_scale_rule(lax.complex_p)

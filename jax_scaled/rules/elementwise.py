@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 
 from jax_scaled._jax_internals import lax_primitives
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine import estimates
 from jax_scaled.engine.facts import converted_fact
@@ -23,29 +23,26 @@ from jax_scaled.pow2.traced import (
 )
 from jax_scaled.pow2.xla import float_division
 from jax_scaled.rules.toolkit import align_selection, has_static_scale
-from jax_scaled.scales.guard import (
+from jax_scaled.scales import (
+    align,
+    as_scaled,
     centred,
+    from_compute,
     guard_band,
     guarded,
     largest_biased_exponent,
-    products_guarded,
-    shift_into_scale,
-    sums_guarded,
-    top_of_format,
-)
-from jax_scaled.scales.values import (
-    Value,
-    align,
-    as_scaled,
-    from_compute,
     make_scale,
     max_scale,
     min_scale,
+    products_guarded,
     rounded_l2_scale,
     scale_f32,
     scale_mul,
+    shift_into_scale,
+    sums_guarded,
     times_scalar,
     to_compute,
+    top_of_format,
     wide_data,
 )
 

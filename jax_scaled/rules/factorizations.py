@@ -18,10 +18,10 @@ from jax import lax
 from jax.lax import linalg as lax_linalg
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.array import ScaledArray, asarray
+from jax_scaled.array import ScaledArray, Value, asarray
 from jax_scaled.engine.registry import register_scale_rule
 from jax_scaled.pow2.traced import floor_divide_exponent, pow2_exponent, pow2_from_exponent
-from jax_scaled.scales.values import Value, align, as_scaled, make_scale, rescale, scale_f32
+from jax_scaled.scales import align, as_scaled, make_scale, rescale, scale_f32
 
 
 @register_scale_rule(lax_linalg.svd_p)

@@ -22,13 +22,12 @@ import numpy as np
 from jax import lax
 
 from jax_scaled._jax_internals import lax_primitives
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine import estimates
 from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.pow2.static import static_pow2_round
-from jax_scaled.scales.values import (
-    Value,
+from jax_scaled.scales import (
     align,
     as_scaled,
     make_scale,

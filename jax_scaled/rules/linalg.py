@@ -15,12 +15,19 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.engine import estimates
 from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.rules.toolkit import bind_contraction
-from jax_scaled.scales.guard import guard_band, guarded
-from jax_scaled.scales.values import Value, as_scaled, make_scale, scale_f32, scale_mul, sqrt_pow2
+from jax_scaled.scales import (
+    as_scaled,
+    guard_band,
+    guarded,
+    make_scale,
+    scale_f32,
+    scale_mul,
+    sqrt_pow2,
+)
 
 
 def _contract(

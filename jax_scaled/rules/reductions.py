@@ -27,9 +27,9 @@ from jax_scaled.engine.facts import summed_fact
 from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.pow2.static import MAX_SCALE_EXPONENT, MIN_SCALE_EXPONENT
 from jax_scaled.pow2.traced import pow2_exponent, pow2_from_exponent
-from jax_scaled.scales.guard import guarded
-from jax_scaled.scales.values import (
+from jax_scaled.scales import (
     from_compute,
+    guarded,
     make_scale,
     round_scale,
     scale_f32,

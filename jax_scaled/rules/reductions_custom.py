@@ -22,14 +22,13 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine.registry import Property, record, register_scale_rule
-from jax_scaled.scales.guard import guarded
-from jax_scaled.scales.values import (
-    Value,
+from jax_scaled.scales import (
     align,
     as_scaled,
+    guarded,
     make_scale,
     scale_f32,
     sqrt_pow2,

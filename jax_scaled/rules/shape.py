@@ -13,16 +13,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_scaled._jax_internals import Primitive, optimization_barrier_p, split_p
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.engine import estimates
 from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.pow2.static import is_static
 from jax_scaled.rules.toolkit import align_selection
-from jax_scaled.scales.guard import guard_band, guarded
-from jax_scaled.scales.values import (
-    Value,
+from jax_scaled.scales import (
     align,
     as_scaled,
+    guard_band,
+    guarded,
     make_scale,
     max_scale,
     scale_f32,

@@ -36,10 +36,9 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.array import ScaledArray
+from jax_scaled.array import ScaledArray, Value
 from jax_scaled.engine.registry import Property, register_scale_rule
-from jax_scaled.scales.guard import guarded
-from jax_scaled.scales.values import Value, as_scaled, to_compute
+from jax_scaled.scales import as_scaled, guarded, to_compute
 
 
 def _evaluate(primitive, *operands: Value, **params) -> ScaledArray:

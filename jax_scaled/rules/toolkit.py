@@ -14,8 +14,15 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray, Value
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.pow2.static import MIN_SCALE_EXPONENT, is_static
-from jax_scaled.scales.guard import fitting_scale, products_guarded
-from jax_scaled.scales.values import align, max_scale, scale_f32, scale_reciprocal, times_scalar
+from jax_scaled.scales import (
+    align,
+    fitting_scale,
+    max_scale,
+    products_guarded,
+    scale_f32,
+    scale_reciprocal,
+    times_scalar,
+)
 
 # ---------------------------------------------------------------------------------------
 # Selections (select_n, max, min, clamp, concatenate)

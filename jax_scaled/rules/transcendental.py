@@ -36,7 +36,7 @@ from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.pow2.static import is_static, static_pow2_round
 from jax_scaled.pow2.traced import pow2_exponent, pow2_reciprocal
 from jax_scaled.pow2.xla import traced_one
-from jax_scaled.scales.values import (
+from jax_scaled.scales import (
     as_scaled,
     from_compute,
     make_scale,

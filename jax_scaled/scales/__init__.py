@@ -3,7 +3,7 @@
 * :mod:`~jax_scaled.scales.values`: align operands to a common scale, rescale data exactly,
   round an estimate and cast it to the scale dtype;
 * :mod:`~jax_scaled.scales.guard`: the range guard of narrow data;
-* :mod:`~jax_scaled.scales.blocks`: the geometry of block scales (grids, block-major layout).
+* :mod:`~jax_scaled.scales.geometry`: the geometry of block scales (grids, block-major layout).
 
 It sits above :class:`~jax_scaled.ScaledArray` and the power-of-two arithmetic of
 :mod:`jax_scaled.pow2`, and re-exports the names of its modules.
@@ -17,7 +17,7 @@ Example:
     (4.0, [0.25, 0.25])
 """
 
-from jax_scaled.scales.blocks import (
+from jax_scaled.scales.geometry import (
     common_blocks,
     from_block_major,
     grid,

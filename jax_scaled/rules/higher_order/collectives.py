@@ -41,7 +41,7 @@ from jax_scaled.engine.facts import Slot, plain_slot
 from jax_scaled.engine.interpreter import interpret_jaxpr
 from jax_scaled.engine.registry import register_higher_order_rule, register_scale_rule
 from jax_scaled.pow2.static import MIN_SCALE_EXPONENT
-from jax_scaled.scales.values import make_scale, rescale, safe_ratio, scale_f32, sqrt_pow2
+from jax_scaled.scales import make_scale, rescale, safe_ratio, scale_f32, sqrt_pow2
 
 # ---------------------------------------------------------------------------------------
 # Shardings of scaled values

@@ -54,8 +54,7 @@ from jax_scaled.engine.promotion import promote
 from jax_scaled.engine.registry import Property, register_higher_order_rule
 from jax_scaled.pow2.static import MIN_SCALE_EXPONENT, is_static
 from jax_scaled.pow2.traced import pow2_ratio
-from jax_scaled.scales.guard import recentred_carry
-from jax_scaled.scales.values import rescale
+from jax_scaled.scales import recentred_carry, rescale
 
 Signature = Any  # the scale dtype of a ScaledArray, or None for a plain value
 
