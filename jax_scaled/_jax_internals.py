@@ -11,6 +11,7 @@ import functools
 import importlib
 import os
 import pkgutil
+import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -163,6 +164,28 @@ def current_trace() -> object:
 def eqn_source_line(eqn: JaxprEqn) -> str:
     """The user's source location of an equation, as ``file:line (function)``."""
     return source_info_util.summarize(eqn.source_info)
+
+
+# Frames a warning skips to reach the user's line: JAX's, this package's and the standard
+# library's (contextlib, functools) that JAX's tracing passes through.
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, contextlib)) + (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` in the caller of this function that names the
+    first frame outside JAX, jax_scaled and the standard library: the user's line, however
+    deep in ``jit`` or ``grad`` tracing the warning is raised.
+
+    Example:
+        >>> user_stacklevel() >= 1
+        True
+    """
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def eqn_name_stack(eqn: JaxprEqn) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -109,8 +110,52 @@ def has_operand_shape(*shapes: Shape) -> Callable[[ContractionSite], bool]:
         >>> head(jnp.ones((2, 4)) / 3, jnp.ones((4, 3))).tolist()[0][0]  # float32, not FP8
         1.3333333730697632
     """
-    wanted = {tuple(s) for s in shapes}
-    return lambda site: tuple(site.lhs.shape) in wanted or tuple(site.rhs.shape) in wanted
+    return _ShapeRule(tuple(_checked_shape(s) for s in shapes))
+
+
+class UnmatchedExcludeWarning(UserWarning):
+    """An ``exclude`` shape of :func:`dot_formats` matched no contraction of the function."""
+
+
+class _ShapeRule:
+    """``has_operand_shape``'s predicate; remembers the shapes it matched during one call, so
+    that :func:`dot_formats` can warn about the ones that matched nothing (a typo, a
+    transposed shape)."""
+
+    def __init__(self, shapes: tuple[Shape, ...]) -> None:
+        self.shapes = shapes
+        self.matched: set[Shape] = set()
+
+    def __call__(self, site: ContractionSite) -> bool:
+        found = {s for s in self.shapes if s in (tuple(site.lhs.shape), tuple(site.rhs.shape))}
+        self.matched |= found
+        return bool(found)
+
+    def warn_unmatched(self) -> None:
+        missing = [s for s in self.shapes if s not in self.matched]
+        if missing:
+            warnings.warn(
+                f"dot_formats: exclude shapes {missing} match no operand of a contraction of "
+                "this function; those contractions are not excluded from the formats (check "
+                "the shape: operands are matched as written, e.g. (d_model, vocab)).",
+                UnmatchedExcludeWarning,
+                stacklevel=jxi.user_stacklevel(),
+            )
+
+
+def _checked_shape(shape: Any) -> Shape:
+    if isinstance(shape, str) or not isinstance(shape, Sequence):
+        raise TypeError(_EXCLUDE_HELP.format(got=repr(shape)))
+    if not all(isinstance(d, int | np.integer) and not isinstance(d, bool) for d in shape):
+        raise TypeError(_EXCLUDE_HELP.format(got=repr(shape)))
+    return tuple(int(d) for d in shape)
+
+
+_EXCLUDE_HELP = (
+    "dot_formats: exclude takes None, a predicate of a js.ContractionSite, or a list of "
+    "operand shapes such as [(512, 10)] (js.has_operand_shape); got {got}. Select by name "
+    "with a predicate, e.g. lambda site: 'head' in site.source_line."
+)
 
 
 def dot_formats(
@@ -210,8 +255,10 @@ def _predicate(exclude: Exclude) -> Callable[[ContractionSite], bool]:
         return lambda site: False
     if callable(exclude):
         return exclude
-    if any(isinstance(s, int) for s in exclude):
-        raise TypeError(f"dot_formats: exclude takes a list of shapes, e.g. [{tuple(exclude)}]")
+    if isinstance(exclude, str) or not isinstance(exclude, Sequence):
+        raise TypeError(_EXCLUDE_HELP.format(got=repr(exclude)))
+    if any(isinstance(s, int | np.integer) for s in exclude):
+        raise TypeError(_EXCLUDE_HELP.format(got=f"{exclude!r} (one shape: write [{exclude!r}])"))
     return has_operand_shape(*exclude)
 
 
@@ -275,7 +322,13 @@ def _call(fn: Callable, policy: _Policy, args: tuple, kwargs: dict) -> Any:
     def run(traced):
         return _evaluate(traced.closed.jaxpr, traced.closed.consts, traced.arrays, policy)
 
-    return call_traced(fn, args, kwargs, run)  # ScaledArray arguments: their data and scale
+    rule = policy.exclude if isinstance(policy.exclude, _ShapeRule) else None
+    if rule is not None:
+        rule.matched.clear()
+    outs = call_traced(fn, args, kwargs, run)  # ScaledArray arguments: their data and scale
+    if rule is not None:
+        rule.warn_unmatched()
+    return outs
 
 
 def _evaluate(jaxpr: jxi.Jaxpr, consts: Sequence, args: Sequence, policy: _Policy) -> list:

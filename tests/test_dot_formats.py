@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -21,7 +22,12 @@ from jax import lax
 
 import jax_scaled as js
 from experiments import gpt
-from jax_scaled.dot_policy import ContractionSite, dot_formats, has_operand_shape
+from jax_scaled.dot_policy import (
+    ContractionSite,
+    UnmatchedExcludeWarning,
+    dot_formats,
+    has_operand_shape,
+)
 from jax_scaled.nn.linear import linear
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
@@ -307,9 +313,26 @@ def test_exclude_by_operand_shape():
         return jnp.tanh(x @ w) @ head
 
     x, w, head = normal(0, (4, 16)), normal(1, (16, 8)), normal(2, (8, 3))
-    for exclude in ([(8, 3)], has_operand_shape((8, 3), (99, 1))):
-        lowered = jax.jit(dot_formats(fn, exclude=exclude)).lower(x, w, head)
-        assert count_contractions(lowered.as_text()) == (2, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every shape matches: no warning
+        lowered = jax.jit(dot_formats(fn, exclude=[(8, 3)])).lower(x, w, head)
+    assert count_contractions(lowered.as_text()) == (2, 1)
+    with pytest.warns(UnmatchedExcludeWarning, match=r"\[\(99, 1\)\]") as caught:
+        predicate = has_operand_shape((8, 3), (99, 1))
+        lowered = jax.jit(dot_formats(fn, exclude=predicate)).lower(x, w, head)
+    assert count_contractions(lowered.as_text()) == (2, 1)
+    assert caught[0].filename == __file__  # the warning points at the user's call
+
+
+@pytest.mark.parametrize(
+    ("exclude", "hint"),
+    [(5, "got 5"), ("head", "'head' in site.source_line"), ((8, 3), r"write \[\(8, 3\)\]"),
+     ([(8, "3")], r"got \(8, '3'\)"), ([8.0], "got 8.0")],
+)  # fmt: skip
+def test_exclude_of_a_wrong_type_is_refused_with_the_forms_it_takes(exclude, hint):
+    with pytest.raises(TypeError, match="exclude takes None, a predicate") as raised:
+        dot_formats(lambda x, w: x @ w, exclude=exclude)
+    assert re.search(hint, str(raised.value)), str(raised.value)
 
 
 def test_block_recipe_on_dense_contractions():
