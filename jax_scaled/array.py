@@ -154,6 +154,15 @@ class ScaledArray:
         """
         return block_shape_of(self.shape, np.shape(self.scale))
 
+    def __jax_array__(self) -> jax.Array:
+        """JAX's array protocol: outside ``scalify`` a ScaledArray is no array; ``jnp.sum(x)``
+        and other JAX functions then say what to do instead of only refusing the type."""
+        raise TypeError(
+            "jax_scaled: a ScaledArray reached a JAX function outside js.scalify. Wrap the "
+            "function in js.scalify(...) (its operations then run on data and scale), or take "
+            "the value with js.asarray(x)."
+        )
+
     def to_array(self, dtype: DTypeLike | None = None) -> jax.Array:
         """The represented value ``data * scale``, in ``dtype`` (default: the data dtype).
 

@@ -129,3 +129,13 @@ def test_scales_must_be_powers_of_two():
 def test_set_scaling_rounds_a_non_power_of_two_scale_down():
     out = js.scalify(js.set_scaling)(jnp.array([3.0]), jnp.float32(3.0))
     assert float(out.scale) == 2.0 and float(js.asarray(out)[0]) == 3.0
+
+
+@pytest.mark.parametrize("fn", [jnp.sum, jnp.asarray, jax.nn.relu, lambda x: jnp.dot(x, x)])
+def test_jax_functions_outside_scalify_say_what_to_do(fn):
+    x = js.as_scaled_array(jnp.ones(4, jnp.float16))
+    with pytest.raises(TypeError, match=r"outside js.scalify.*js.asarray\(x\)"):
+        fn(x)
+    scalified = js.asarray(js.scalify(fn)(x), jnp.float32)  # under scalify the same call works
+    np.testing.assert_array_equal(scalified, fn(jnp.ones(4, jnp.float32)))
+
