@@ -497,7 +497,7 @@ def _columns(p: Precision) -> list[str]:
     rescaling = ["LayerNorm bwd"] * p.rescale_layernorm_grad + ["grads"] * p.rescale_grads
     matmul = BLOCK_LABELS.get(p.block)
     if matmul is None:
-        matmul = "FP8 (policy)" if p.fp8_policy else "FP8" if p.fp8_matmuls else None
+        matmul = "FP8 (js.dot_formats)" if p.fp8_policy else "FP8" if p.fp8_matmuls else None
     # js.nn.linear (and dot_formats) return FP8 weight gradients only with wgrad_dtype set;
     # the model leaves it at its default, the weight's own (compute) dtype.
     return [
@@ -595,6 +595,15 @@ def plot_curves(path: str | pathlib.Path, results: dict[str, dict], title: str) 
     plt.close(fig)
 
 
+CITATION = (
+    "*Paper*: the experiment's number in Table 3 of P. Balança, S. Hosegood, C. Luschi and "
+    'A. Fitzgibbon, "Scalify: scale propagation for efficient low-precision LLM training", '
+    "WANT@ICML 2024 (arXiv:2407.17353), whose scale rules follow C. Blake, D. Orr and "
+    'C. Luschi, "Unit Scaling: Out-of-the-Box Low-Precision Training" '
+    "(arXiv:2303.11257). *FP8 (js.dot_formats)*: the unmodified model under "
+    "`js.dot_formats`, not a configuration of the paper."
+)
+
 READING = """\
 Every configuration starts from the same float32 initialisation and sees the same batches
 and learning-rate schedule (gradients clipped to global norm 1, then Adam, linear warmup
@@ -634,7 +643,7 @@ def write_report(directory: str, meta: dict, results: dict, goals: Goals) -> Non
         "# Table 3 of the scalify paper on a small character-level GPT", "",
         "Produced by `experiments/table3.py` with:", "", f"    {meta['command']}", "",
         header(meta).replace("\n", "; ") + f"; total {meta['total_wall_s']:.0f} s.", "",
-        markdown_table(results), "", READING, "", "Goals:", "",
+        markdown_table(results), "", CITATION, "", READING, "", "Goals:", "",
         *[f"- {line}" for line in goals.lines], "", "![validation loss](table3_loss.png)", "",
     ]  # fmt: skip
     (out / "table3.md").write_text("\n".join(text))
@@ -698,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = run(args.configs, config, corpus, progress=not args.no_progress)
     meta["total_wall_s"] = round(time.perf_counter() - start, 1)
     goals = check_goals(results, quick=size != "full")
-    print("\n" + markdown_table(results) + "\n\n" + "\n".join(goals.lines))
+    print("\n" + markdown_table(results) + "\n\n" + CITATION + "\n\n" + "\n".join(goals.lines))
     if args.json:
         write_json(args.json, meta, results)
     if args.report:

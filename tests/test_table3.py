@@ -276,6 +276,7 @@ def test_command_line_writes_the_report(tmp_path: pathlib.Path, monkeypatch):
     }
     markdown = (tmp_path / "out" / "table3.md").read_text()
     assert "python -m experiments.table3 --demo" in markdown and "`fp16_raw`" in markdown
+    assert "arXiv:2407.17353" in markdown and "arXiv:2303.11257" in markdown  # cited
     assert (tmp_path / "out" / "table3_loss.png").stat().st_size > 1000
 
 
