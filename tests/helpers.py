@@ -9,6 +9,10 @@ reference and that every output scale is an exact power of two.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import pathlib
+import sys
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -332,3 +336,14 @@ def assert_static_or_guarded_scale(out: js.ScaledArray, static_scale: float) -> 
     assert not 2.0**low <= unguarded < 2.0**high, (unguarded, band)
     largest = float(np.max(np.abs(np.asarray(out.data, np.float64))))
     assert 2.0**low <= largest <= 2.0**high, (largest, band)
+
+
+def load_benchmark(name: str) -> types.ModuleType:
+    """``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package); it is
+    registered in ``sys.modules`` first, where its dataclasses look their module up."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module

@@ -4,26 +4,15 @@ counts and timings, FP8 dots in the lowered FP8 steps, the table's ratio columns
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import pathlib
-import sys
 
 import pytest
+from helpers import load_benchmark
 
 pytest.importorskip("flax")
 
 
-def _load():
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "model_scale.py"
-    spec = importlib.util.spec_from_file_location("model_scale", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("model_scale", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-ms = _load()
+ms = load_benchmark("model_scale")
 TINY = dataclasses.replace(ms.SIZE, width=16, heads=2, context=8, batch_size=2, layers=1)
 
 

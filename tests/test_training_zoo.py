@@ -10,12 +10,11 @@ cell's, same initialisation, same batches.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
+from helpers import load_benchmark
 
 from experiments import zoo
 
@@ -61,17 +60,8 @@ def test_cell_trains_like_fp32(model: str, optimizer: str, mode: str):
     )
 
 
-def _load_cli():
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "training_zoo.py"
-    spec = importlib.util.spec_from_file_location("training_zoo", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("training_zoo", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cli_writes_the_table_and_json(tmp_path: pathlib.Path, capsys):
-    cli = _load_cli()
+    cli = load_benchmark("training_zoo")
     argv = ["--models", "cnn", "--optimizers", "sgd", "--modes", "fp32", "--steps", "3",
             "--out", str(tmp_path)]  # fmt: skip
     assert cli.main(argv) == 0
