@@ -138,4 +138,3 @@ def test_jax_functions_outside_scalify_say_what_to_do(fn):
         fn(x)
     scalified = js.asarray(js.scalify(fn)(x), jnp.float32)  # under scalify the same call works
     np.testing.assert_array_equal(scalified, fn(jnp.ones(4, jnp.float32)))
-
