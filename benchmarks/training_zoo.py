@@ -215,6 +215,10 @@ model. *test acc*: accuracy on the 450 test images after the last step, from log
 in the mode's own numerics; *delta pp*: minus fp32's, in percentage points; *final loss*:
 the last training batch's loss; *finite*: every step's loss finite (else the first
 non-finite step); *pass*: finite, and delta >= -1 pp or a test loss within 1% of fp32's.
+With `--ensemble K`: *test acc* is the mean of K runs from jitters of the initialisation
+(the size of one float16 rounding), the range of the runs in parentheses, and *pass* a
+non-inferiority test: it fails when the runs show, at 95% (one-sided Welch t), that the
+cell is more than 1 pp below fp32 (*noise*: that test's allowance beyond the 1 pp).
 Modes: `readme` the README's quickstart: ScaledArray parameters of float32 data (master
 weights), `js.optim.scaled_state(opt)` state (float16, a scale per 32 elements), float16
 ScaledArray inputs, `jax.jit(js.scalify(step))`; `fp16_params` the same with float16
