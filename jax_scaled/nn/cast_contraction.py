@@ -41,6 +41,7 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine.registry import Property, record
+from jax_scaled.engine.tracing import bind_eqn, evaluate_jaxpr
 from jax_scaled.pow2.static import static_pow2_exponent, static_pow2_round
 from jax_scaled.pow2.traced import pow2_exponent, pow2_from_exponent
 
@@ -300,13 +301,5 @@ def _transpose_jaxpr(
 
 def _replay(closed: jxi.ClosedJaxpr, *args: jax.Array) -> jax.Array:
     """Evaluate a traced transpose on values of other dtypes (no type check of values)."""
-    env = dict(zip(closed.jaxpr.invars, args, strict=True))
-
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, jxi.Literal) else env[atom]
-
-    for eqn in closed.jaxpr.eqns:
-        subfuns, params = jxi.eqn_bind_params(eqn)
-        env[eqn.outvars[0]] = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **params)
-    (result,) = closed.jaxpr.outvars
-    return read(result)
+    (result,) = evaluate_jaxpr(closed.jaxpr, closed.consts, args, bind_eqn)
+    return result
