@@ -224,8 +224,8 @@ class BlockRecipe:
             fmt = getattr(self, role)
             if not isinstance(fmt, BlockFormat):
                 raise TypeError(
-                    f"BlockRecipe's {role} is a js.formats.BlockFormat ({_names(FORMATS)}, or "
-                    f"your own), got {fmt!r}."
+                    f"BlockRecipe's {role} is a js.formats.BlockFormat "
+                    f"({preset_names(FORMATS)}, or your own), got {fmt!r}."
                 )
             if fmt.block_size is None:
                 raise ValueError(f"BlockRecipe's {role} format {fmt.name} needs a block_size.")
@@ -267,13 +267,19 @@ def as_recipe(block: Any, where: str = "block", also: str = "") -> BlockRecipe:
     if isinstance(block, BlockFormat):
         return BlockRecipe(block, block, block, name=block.name)
     raise TypeError(
-        f"{where} takes a js.formats.BlockRecipe ({_names(RECIPES)}; also js.nn.MXFP8, ...) "
-        f"or a js.formats.BlockFormat, meaning that format everywhere ({_names(FORMATS)})"
+        f"{where} takes a js.formats.BlockRecipe ({preset_names(RECIPES)}; also js.nn.MXFP8, ...) "
+        f"or a js.formats.BlockFormat, meaning that format everywhere ({preset_names(FORMATS)})"
         f"{also}; got {block!r}."
     )
 
 
-def _names(presets: Sequence[Any]) -> str:
+def preset_names(presets: Sequence[Any]) -> str:
+    """The names of ``presets``, for error messages that list what is accepted.
+
+    Example:
+        >>> preset_names(MX_FORMATS[:2])
+        'MXFP8_E4M3, MXFP8_E5M2'
+    """
     return ", ".join(p.name for p in presets)
 
 

@@ -65,6 +65,7 @@ from jax_scaled.formats import (
     BlockFormat,
     BlockRecipe,
     ScaleRounding,
+    preset_names,
     storage_dtype,
 )
 from jax_scaled.pow2.static import EXPONENT_BIAS, MANTISSA_BITS
@@ -212,13 +213,13 @@ def _as_format(dtype: DTypeLike | BlockFormat | str) -> BlockFormat:
     if isinstance(dtype, BlockRecipe):
         raise TypeError(
             f"quantize takes one format, not a recipe ({dtype.name or dtype}): pass one of its "
-            f"formats (.x, .w, .grad) or a preset of js.formats ({_names(FORMATS)})."
+            f"formats (.x, .w, .grad) or a preset of js.formats ({preset_names(FORMATS)})."
         )
     try:
         element = np.dtype(dtype)
     except TypeError:
         raise TypeError(
-            f"quantize takes a format: a js.formats.BlockFormat ({_names(FORMATS)}) or a "
+            f"quantize takes a format: a js.formats.BlockFormat ({preset_names(FORMATS)}) or a "
             f"floating dtype such as jnp.float8_e4m3fn; got {dtype!r}."
         ) from None
     if not jnp.issubdtype(element, jnp.floating):
@@ -238,13 +239,9 @@ def _named_format(name: str) -> BlockFormat | np.dtype:
         hint = f" ({recipe[0]} is a recipe of three formats)" if recipe else ""
         raise ValueError(
             f"unknown format {name!r}{hint}: pass a preset of js.formats "
-            f"({_names(FORMATS)}, by object or name) or a floating dtype such as "
+            f"({preset_names(FORMATS)}, by object or name) or a floating dtype such as "
             "jnp.float8_e4m3fn."
         ) from None
-
-
-def _names(presets: Sequence[Any]) -> str:
-    return ", ".join(p.name for p in presets)
 
 
 def _params(fmt: BlockFormat, block_shape: tuple[int, ...] | None) -> dict[str, Any]:
