@@ -1,4 +1,10 @@
-"""One kernel for all the scales a scalified program returns.
+"""How a scalified program's scales meet XLA's fusion: computed once, returned by one kernel.
+
+A scale is a chain of scalar arithmetic, and XLA copies such a chain into every kernel that
+reads it. :func:`computed_once_where_shared` stops the copying where a value has several
+readers: its scale is computed once (:func:`~jax_scaled.pow2.xla.computed_once`). Without it
+the global norm that clips every parameter's update was compiled once per parameter, and
+``benchmarks/model_scale.py``'s GPT compiled quadratically in depth.
 
 XLA:CPU compiles every kernel of a program separately, at a fixed cost of several
 milliseconds each, and it gives every program output that it cannot fuse into another
@@ -10,6 +16,8 @@ each a short chain of scalar arithmetic: without help that is one kernel per par
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +25,64 @@ from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
+from jax_scaled.engine.facts import Slot
+from jax_scaled.memo import memoized
+from jax_scaled.pow2.xla import computed_once
+
+# A 0-d value's readers are spread over the whole program (a global norm, a scheduled
+# learning rate, read by every parameter's update): copies of its chain grow with the model.
+# A tensor's readers are a few kernels near it, where a kernel of its own can cost more than
+# the copies. Measured (benchmarks/model_scale.py, 1-layer GPT, fp8_policy_scalify; and
+# compile_breakdown.py's float32 MLP): 0-d values only, 53.8k HLO instructions; tensors read
+# 3+ times too, 38.2k (MLP: 2 more kernels); read 2+ times, 37.3k (MLP: 8 more kernels).
+_TENSOR_READERS = 3
+
+
+def computed_once_where_shared(outvars: list, slots: list[Slot], uses: dict) -> list[Slot]:
+    """``slots`` (an equation's outputs, for ``outvars``) with the traced scale of each
+    shared output computed once: a 0-d value read twice or more, a tensor read
+    :data:`_TENSOR_READERS` times or more (``uses``,
+    :func:`~jax_scaled.engine.peephole.use_counts`). Values are unchanged; a scale already
+    computed once stays as it is.
+
+    Example:
+        >>> def f(s):
+        ...     slot = Slot(ScaledArray(jnp.float32(1.0), s * 2))
+        ...     x = jax.make_jaxpr(lambda x: x)(1.0).jaxpr.invars[0]
+        ...     return computed_once_where_shared([x], [slot], {x: 2})[0].value.scale
+        >>> float(jax.jit(f)(jnp.float32(4.0)))
+        8.0
+        >>> "rem" in str(jax.make_jaxpr(f)(jnp.float32(4.0)))
+        True
+    """
+    return [
+        _with_scale_once(slot) if _shared(uses.get(var, 0), slot) else slot
+        for var, slot in zip(outvars, slots, strict=True)
+    ]
+
+
+def marked_computed(values: list) -> None:
+    """Record the traced scales of ``values`` (a scalified call's inputs: XLA parameters,
+    computed by the caller) as computed once, so that no kernel computes them again."""
+    for x in values:
+        if isinstance(x, ScaledArray) and isinstance(x.scale, jxi.Tracer):
+            memoized("computed_once", x.scale, lambda x=x: x.scale)
+
+
+def _shared(readers: int, slot: Slot) -> bool:
+    value = slot.value
+    if not (isinstance(value, ScaledArray) and isinstance(value.scale, jxi.Tracer)):
+        return False
+    return readers >= (2 if value.ndim == 0 else _TENSOR_READERS)
+
+
+def _with_scale_once(slot: Slot) -> Slot:
+    value = slot.value
+    scale = memoized("computed_once", value.scale, lambda: computed_once(value.scale))
+    if scale is value.scale:
+        return slot
+    memoized("computed_once", scale, lambda: scale)  # not computed once more downstream
+    return dataclasses.replace(slot, value=ScaledArray(value.data, scale))
 
 
 def bundle_scales(values: list, inputs: list) -> list:

@@ -28,8 +28,8 @@ from jax_scaled.config import ScalifyConfig
 from jax_scaled.dtypes import is_narrow_float
 from jax_scaled.engine import block_dispatch, constants, recording
 from jax_scaled.engine.facts import Slot, constant_slot, forwarded
-from jax_scaled.engine.fusion import bundle_scales
-from jax_scaled.engine.peephole import transposed_contractions
+from jax_scaled.engine.fusion import bundle_scales, computed_once_where_shared, marked_computed
+from jax_scaled.engine.peephole import transposed_contractions, use_counts
 from jax_scaled.engine.promotion import normalized_scalar, normalizes, promote_inputs
 from jax_scaled.engine.registry import Property, record
 from jax_scaled.engine.tracing import Traced, bind_eqn, call_traced, evaluate_jaxpr
@@ -79,6 +79,7 @@ def _interpret(traced: Traced) -> list:
     """The traced function's outputs, its jaxpr run with scale rules."""
     context.start_rules(_true_constants(traced))
     in_slots = [Slot(normalized_scalar(x) if normalizes(x) else x) for x in traced.arrays]
+    marked_computed([s.value for s in in_slots])
     out_slots = interpret_closed(traced.closed, in_slots)
     return bundle_scales([s.value for s in out_slots], traced.arrays)
 
@@ -108,6 +109,7 @@ def interpret_jaxpr(
     eqns, pairs = jaxpr.eqns, transposed_contractions(jaxpr).items()
     swaps = {id(eqns[i]): (eqns[j], swapped) for i, (j, swapped) in pairs}
     passed_on: set[int] = set()  # transposes whose value their swapped dot computed
+    uses = use_counts(jaxpr)
 
     def step(eqn: jxi.JaxprEqn, eqn_slots: list[Slot]) -> list[Slot]:
         if id(eqn) in passed_on:
@@ -118,7 +120,7 @@ def interpret_jaxpr(
             transpose, eqn = swap
             passed_on.add(id(transpose))
             eqn_slots = eqn_slots[::-1]
-        return interpret_eqn(eqn, eqn_slots)
+        return computed_once_where_shared(eqn.outvars, interpret_eqn(eqn, eqn_slots), uses)
 
     def literal(atom: jxi.Literal) -> Slot:
         return constant_slot(atom.val, constants.true_value(atom))

@@ -33,7 +33,7 @@ def transposed_contractions(jaxpr: jxi.Jaxpr) -> dict[int, tuple[int, jxi.JaxprE
     }
     if not producer:
         return {}
-    uses = _use_counts(jaxpr)
+    uses = use_counts(jaxpr)
     found = {}
     for j, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive is not lax.transpose_p or isinstance(eqn.invars[0], jxi.Literal):
@@ -47,7 +47,14 @@ def transposed_contractions(jaxpr: jxi.Jaxpr) -> dict[int, tuple[int, jxi.JaxprE
     return found
 
 
-def _use_counts(jaxpr: jxi.Jaxpr) -> collections.Counter:
+def use_counts(jaxpr: jxi.Jaxpr) -> collections.Counter:
+    """How many times each variable of ``jaxpr`` is read: by its equations and as an output.
+
+    Example:
+        >>> jaxpr = jax.make_jaxpr(lambda x: (x * x, x + 1.0))(1.0).jaxpr
+        >>> use_counts(jaxpr)[jaxpr.invars[0]]
+        3
+    """
     uses: collections.Counter = collections.Counter()
     for eqn in jaxpr.eqns:
         uses.update(v for v in eqn.invars if not isinstance(v, jxi.Literal))

@@ -21,6 +21,12 @@ these helpers where the choice matters.
   compiles quadratically in depth.
 * **An optimization barrier on traced output scales** (:func:`scale_barrier`): it keeps
   XLA's simplifier from merging the chains of scalar arithmetic of a deep unrolled network.
+* **A remainder where a scale has several readers** (:func:`computed_once`): XLA copies a
+  scalar chain into every kernel that reads it, so a scale read by every parameter (the
+  global norm of ``optax.clip_by_global_norm``) was compiled once per parameter, its chain
+  growing with depth too: compile time quadratic in the layer count. A remainder is an
+  operation XLA does not copy and does not simplify away (a division by 1 it folds into the
+  reader's own division); the scale is computed once, in a kernel of its own.
 * **The largest magnitude of guarded data** (:func:`largest_magnitude`): one reduction kernel
   instead of three, and ``abs`` fused into large reductions.
 
@@ -77,6 +83,24 @@ def scale_barrier(scale: Any) -> Any:
     if not isinstance(scale, jxi.Tracer):
         return scale
     return lax.optimization_barrier(scale)
+
+
+# Larger than every scale (at most 2^127), so the remainder by it is the scale, exactly.
+_ABOVE_EVERY_SCALE = np.float32(np.finfo(np.float32).max)
+
+
+def computed_once(scale: Any) -> Any:
+    """``scale`` (a float32 0-d power of two, or zero), computed once by XLA rather than
+    copied into each kernel that reads it (see the module notes): ``fmod(scale, M)`` for the
+    largest float32 ``M``, which is exact. Static and non-float32 scales pass unchanged.
+
+    Example:
+        >>> float(jax.jit(computed_once)(jnp.float32(2.0**127)))
+        1.7014118346046923e+38
+    """
+    if not isinstance(scale, jxi.Tracer) or scale.dtype != jnp.float32 or scale.ndim:
+        return scale
+    return lax.rem(scale, _ABOVE_EVERY_SCALE)
 
 
 # XLA:CPU hands a maximum over this many elements or more to its YNNPACK reduction, with
