@@ -45,3 +45,21 @@ def test_nothing_is_recorded_outside_the_block():
         pass
     js.scalify(lambda x: x * 2.0)(x)
     assert records == [] and not js.diagnostics.is_recording()
+
+
+def test_a_recorded_walk_reports_through_one_callback():
+    # One callback (and one reduction per value) per jaxpr walk, not one per value: a
+    # callback per value made a recorded CNN step compile about 9x slower than the plain one.
+    x = js.as_scaled_array(jax.random.normal(jax.random.PRNGKey(0), (128, 256), jnp.float16))
+    step = js.scalify(lambda x: jnp.tanh(x * 2.0) + x)
+    with js.diagnostics.record_scales() as records:
+        jaxpr = jax.make_jaxpr(step)(x).jaxpr
+        jax.block_until_ready(jax.jit(js.scalify(lambda x: jnp.tanh(x * 2.0) + x))(x))
+    assert [e.primitive.name for e in jaxpr.eqns].count("debug_callback") == 1
+    assert [r.primitive for r in records] == ["mul", "tanh", "add"]
+    data = np.asarray(x.data, np.float64)
+    mul = records[0]  # data unchanged, scale doubled: exact statistics of x's data
+    assert mul.max_abs == np.abs(data).max() and mul.scale == 2.0 * float(x.scale)
+    # a float32 sum of n squares: relative error below n * eps, halved by the root
+    bound = data.size * float(jnp.finfo(jnp.float32).eps) / 2
+    assert math.isclose(mul.rms, np.sqrt(np.mean(data**2)), rel_tol=bound)

@@ -126,7 +126,8 @@ def interpret_jaxpr(
         return constant_slot(atom.val, constants.true_value(atom))
 
     const_slots = [constant_slot(c) for c in consts]
-    return evaluate_jaxpr(jaxpr, const_slots, in_slots, step, literal)
+    with recording.batched_observations():
+        return evaluate_jaxpr(jaxpr, const_slots, in_slots, step, literal)
 
 
 def interpret_closed(closed: jxi.ClosedJaxpr, in_slots: Sequence[Slot]) -> list[Slot]:

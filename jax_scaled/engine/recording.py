@@ -1,7 +1,10 @@
 """Recording: a :class:`ScaleRecord` of the data statistics of every scaled value scalify computes.
 
 The interpreter asks :func:`is_recording` after each scale rule it applies and, inside
-:func:`record_scales`, hands the rule's outputs to :func:`observe`.
+:func:`record_scales`, hands the rule's outputs to :func:`observe`. Each output's statistics
+are one variadic reduction on the device, and the statistics of a whole jaxpr walk leave in
+one ``jax.debug.callback`` (:func:`batched_observations`): a callback per value made a
+recorded CNN step compile about 9x slower than the plain one.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from jax_scaled import _jax_internals as jxi
 from jax_scaled import context
 from jax_scaled.array import ScaledArray
 
@@ -142,10 +147,20 @@ class _Recorder:
     def __init__(self) -> None:
         self.records: list[ScaleRecord] = []
         self.count = 0
+        self.batch: _Batch | None = None
 
     def next_index(self) -> int:
         self.count += 1
         return self.count - 1
+
+
+@dataclasses.dataclass
+class _Batch:
+    """Statistics staged under one trace, reported by one callback."""
+
+    trace: Any
+    statics: list[tuple] = dataclasses.field(default_factory=list)
+    statistics: list[tuple] = dataclasses.field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -223,40 +238,96 @@ def observe(
             recorder.next_index(), primitive, source, where, out.shape, str(out.dtype),
             block_fallback,
         )  # fmt: skip
-        jax.debug.callback(_receiver(recorder, static), *_data_statistics(out), ordered=False)
+        batch = recorder.batch
+        if batch is not None and batch.trace is jxi.current_trace():
+            batch.statics.append(static)
+            batch.statistics.append(_data_statistics(out))
+        else:
+            _report(recorder, [static], [_data_statistics(out)])
+
+
+@contextlib.contextmanager
+def batched_observations() -> Iterator[None]:
+    """Within the block, :func:`observe` stages the statistics computed under the current
+    trace; on a normal exit one ``jax.debug.callback`` reports them all. Statistics from
+    another trace (a loop body's) are reported by that trace's own batch, or at once.
+
+    Example:
+        >>> x = js.as_scaled_array(jnp.ones(4, jnp.float16))
+        >>> with js.diagnostics.record_scales() as records:
+        ...     with batched_observations():
+        ...         js.diagnostics.observe("mul", "f.py:1:0 (f)", "", [x])
+        ...         js.diagnostics.observe("add", "f.py:2:0 (f)", "", [x])
+        >>> [r.primitive for r in records]
+        ['mul', 'add']
+    """
+    recorder = context.current().recorder
+    if recorder is None:
+        yield
+        return
+    batch, previous = _Batch(jxi.current_trace()), recorder.batch
+    recorder.batch = batch
+    try:
+        yield
+    finally:
+        recorder.batch = previous
+    if batch.statics:
+        _report(recorder, batch.statics, batch.statistics)
+
+
+def _report(recorder: _Recorder, statics: list[tuple], statistics: list[tuple]) -> None:
+    """One callback that turns each value's statistics into a :class:`ScaleRecord`."""
+
+    def receive(*arrays: np.ndarray) -> None:
+        for i, static in enumerate(statics):
+            recorder.records.append(_record(static, arrays[i * _FIELDS : (i + 1) * _FIELDS]))
+
+    flat = [a for stats in statistics for a in stats]
+    jax.debug.callback(receive, *flat, ordered=False)
+
+
+_FIELDS = 7  # the statistics of one value: see _data_statistics
 
 
 def _data_statistics(x: ScaledArray) -> tuple[jax.Array, ...]:
+    """``(scale, max_abs, sum of squares, nonfinite, zeros, subnormals, nans)`` of ``x``'s
+    data: one variadic reduction (one kernel) for the six data statistics; the host takes
+    the root mean square (:func:`_record`)."""
     data = x.data.astype(jnp.float32)
-    magnitude = jnp.abs(jnp.where(jnp.isfinite(data), data, 0))
-    tiny = float(jnp.finfo(x.dtype).smallest_normal)
-    return (
-        jnp.asarray(x.scale, jnp.float32).max(),
-        magnitude.max(initial=0.0),
-        jnp.sqrt(jnp.mean(jnp.square(magnitude))) if x.size else jnp.float32(0),
-        jnp.sum(~jnp.isfinite(data)),
-        jnp.sum(data == 0),
-        jnp.sum((magnitude > 0) & (magnitude < tiny)),
-        jnp.sum(jnp.isnan(data)),
-    )
+    finite = jnp.isfinite(data)
+    magnitude = jnp.where(finite, jnp.abs(data), np.float32(0))
+    tiny = np.float32(jnp.finfo(x.dtype).smallest_normal)
+
+    def count(flags: jax.Array) -> jax.Array:
+        return flags.astype(jnp.int32)
+
+    operands = (
+        magnitude, lax.square(magnitude), count(~finite), count(data == 0),
+        count((magnitude > 0) & (magnitude < tiny)), count(jnp.isnan(data)),
+    )  # fmt: skip
+    inits = (np.float32(0), np.float32(0), *[np.int32(0)] * 4)
+    statistics = lax.reduce(operands, inits, _combine, tuple(range(data.ndim)))
+    scale = x.scale.astype(jnp.float32)
+    return (scale.max() if scale.ndim else scale, *statistics)
 
 
-def _receiver(recorder: _Recorder, static: tuple) -> Any:
+def _combine(a: tuple, b: tuple) -> tuple:
+    return (lax.max(a[0], b[0]), *(lax.add(p, q) for p, q in zip(a[1:], b[1:], strict=True)))
+
+
+def _record(static: tuple, stats: Sequence[np.ndarray]) -> ScaleRecord:
     index, primitive, source, where, shape, dtype, block_fallback = static
-
-    def receive(scale, max_abs, rms, nonfinite, zeros, subnormals, nans) -> None:
-        # Under vmap the statistics arrive batched: keep the worst of the batch.
-        recorder.records.append(
-            ScaleRecord(
-                index, primitive, source, where, tuple(shape), dtype,
-                scale=float(np.max(scale)), max_abs=float(np.max(max_abs)),
-                rms=float(np.max(rms)), nonfinite=int(np.sum(nonfinite)),
-                zeros=int(np.sum(zeros)), subnormals=int(np.sum(subnormals)),
-                nans=int(np.sum(nans)), block_fallback=block_fallback,
-            )
-        )  # fmt: skip
-
-    return receive
+    scale, max_abs, sum_sq, nonfinite, zeros, subnormals, nans = stats
+    size = math.prod(shape)
+    rms = np.sqrt(np.asarray(sum_sq, np.float64) / size) if size else np.zeros(())
+    # Under vmap the statistics arrive batched: keep the worst of the batch.
+    return ScaleRecord(
+        index, primitive, source, where, tuple(shape), dtype,
+        scale=float(np.max(scale)), max_abs=float(np.max(max_abs)),
+        rms=float(np.max(rms)), nonfinite=int(np.sum(nonfinite)),
+        zeros=int(np.sum(zeros)), subnormals=int(np.sum(subnormals)),
+        nans=int(np.sum(nans)), block_fallback=block_fallback,
+    )  # fmt: skip
 
 
 def worst(records: Sequence[ScaleRecord], limit: int = 20, min_size: int = 2) -> list[ScaleRecord]:
