@@ -14,7 +14,7 @@ from jax_scaled.any_scale import ANY_SCALE
 from jax_scaled.array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from jax_scaled.config import ScalifyConfig, current_config
 from jax_scaled.custom_scale import custom_scale
-from jax_scaled.dot_policy import ContractionSite, dot_formats, has_operand_shape
+from jax_scaled.dot_policy import ContractionSite, dot_formats, has_module_path, has_operand_shape
 from jax_scaled.engine.constants import ConstantPrecisionWarning
 from jax_scaled.engine.interpreter import scalify
 from jax_scaled.engine.registry import register_scale_rule, registered_primitives
@@ -41,6 +41,7 @@ __all__ = [
     "dot_formats",
     "formats",
     "get_data_and_scale",
+    "has_module_path",
     "has_operand_shape",
     "is_scaled_leaf",
     "nn",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -70,6 +71,10 @@ class ContractionSite:
         out: shape and dtype of the result.
         params: the equation's parameters (``dimension_numbers``, padding, ...).
         source_line: the user's source location, ``file:line (function)``.
+        module_path: the flax ``linen`` module path of the contraction, root module first
+            (``"GPT/Block_0/qkv"``): JAX's name stack without its transforms (``jvp(...)``).
+            ``""`` outside named modules; ``flax.nnx`` modules do not name their calls, so
+            their contractions have the path of the ``jax.named_scope`` around them, if any.
 
     Example:
         >>> def small_contractions(site):  # an exclude predicate: keep small ones 16-bit
@@ -85,6 +90,7 @@ class ContractionSite:
     out: jax.ShapeDtypeStruct
     params: Mapping[str, Any]
     source_line: str
+    module_path: str = ""
 
     @property
     def dimension_numbers(self) -> Any:
@@ -92,7 +98,8 @@ class ContractionSite:
         return self.params["dimension_numbers"]
 
 
-Exclude = Callable[[ContractionSite], bool] | Sequence[Shape] | None
+Rule = Callable[[ContractionSite], bool] | Sequence[Shape] | str | Sequence[str] | None
+Exclude = Rule  # the name earlier versions exported
 
 
 def has_operand_shape(*shapes: Shape) -> Callable[[ContractionSite], bool]:
@@ -113,8 +120,70 @@ def has_operand_shape(*shapes: Shape) -> Callable[[ContractionSite], bool]:
     return _ShapeRule(tuple(_checked_shape(s) for s in shapes))
 
 
-class UnmatchedExcludeWarning(UserWarning):
+class UnmatchedRuleWarning(UserWarning):
+    """An ``include`` or ``exclude`` rule of :func:`dot_formats` (an operand shape, a module
+    path pattern) matched no contraction of the function."""
+
+
+class UnmatchedExcludeWarning(UnmatchedRuleWarning):
     """An ``exclude`` shape of :func:`dot_formats` matched no contraction of the function."""
+
+
+def has_module_path(*patterns: str) -> Callable[[ContractionSite], bool]:
+    """A predicate for ``include`` / ``exclude``: true for a contraction whose
+    :attr:`ContractionSite.module_path` matches one of the regular expressions ``patterns``
+    in full (``re.fullmatch``, as qwix's rules match module paths). :func:`dot_formats` warns
+    (:class:`UnmatchedRuleWarning`) about a pattern that matched no contraction, naming the
+    paths it saw.
+
+    Args:
+        *patterns: regular expressions, e.g. ``".*/head"`` or ``"(.*/)?(qkv|proj|fc)"``.
+
+    Example:
+        >>> import flax.linen as nn
+        >>> model = nn.Sequential([nn.Dense(8), nn.Dense(3)])  # paths Sequential/layers_0, _1
+        >>> x = jnp.ones((2, 4))
+        >>> params = model.init(jax.random.key(0), x)
+        >>> last_kept = dot_formats(model.apply, exclude=has_module_path(".*/layers_1"))
+        >>> last_kept(params, x).shape
+        (2, 3)
+    """
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise TypeError(f"has_module_path takes regular expressions (str), got {pattern!r}")
+        re.compile(pattern)  # a malformed pattern fails here, where the user wrote it
+    return _PathRule(patterns)
+
+
+class _PathRule:
+    """``has_module_path``'s predicate; remembers which patterns matched during one call."""
+
+    def __init__(self, patterns: tuple[str, ...]) -> None:
+        self.patterns = patterns
+        self.matched: set[str] = set()
+        self.seen: list[str] = []
+
+    def __call__(self, site: ContractionSite) -> bool:
+        if site.module_path not in self.seen:
+            self.seen.append(site.module_path)
+        found = {p for p in self.patterns if re.fullmatch(p, site.module_path)}
+        self.matched |= found
+        return bool(found)
+
+    def reset(self) -> None:
+        self.matched.clear()
+        self.seen.clear()
+
+    def warn_unmatched(self, role: str) -> None:
+        missing = [p for p in self.patterns if p not in self.matched]
+        if missing:
+            seen = ", ".join(repr(p) for p in self.seen[:8]) or "none"
+            warnings.warn(
+                f"dot_formats: {role} module path patterns {missing} match no contraction of "
+                f"this function (re.fullmatch); its contractions' module paths: {seen}.",
+                UnmatchedRuleWarning,
+                stacklevel=jxi.user_stacklevel(),
+            )
 
 
 class _ShapeRule:
@@ -131,30 +200,33 @@ class _ShapeRule:
         self.matched |= found
         return bool(found)
 
-    def warn_unmatched(self) -> None:
+    def reset(self) -> None:
+        self.matched.clear()
+
+    def warn_unmatched(self, role: str) -> None:
         missing = [s for s in self.shapes if s not in self.matched]
         if missing:
             warnings.warn(
-                f"dot_formats: exclude shapes {missing} match no operand of a contraction of "
-                "this function; those contractions are not excluded from the formats (check "
-                "the shape: operands are matched as written, e.g. (d_model, vocab)).",
-                UnmatchedExcludeWarning,
+                f"dot_formats: {role} shapes {missing} match no operand of a contraction of "
+                "this function (check the shape: operands are matched as written, e.g. "
+                "(d_model, vocab)).",
+                UnmatchedExcludeWarning if role == "exclude" else UnmatchedRuleWarning,
                 stacklevel=jxi.user_stacklevel(),
             )
 
 
-def _checked_shape(shape: Any) -> Shape:
+def _checked_shape(shape: Any, role: str = "exclude") -> Shape:
     if isinstance(shape, str) or not isinstance(shape, Sequence):
-        raise TypeError(_EXCLUDE_HELP.format(got=repr(shape)))
+        raise TypeError(_RULE_HELP.format(role=role, got=repr(shape)))
     if not all(isinstance(d, int | np.integer) and not isinstance(d, bool) for d in shape):
-        raise TypeError(_EXCLUDE_HELP.format(got=repr(shape)))
+        raise TypeError(_RULE_HELP.format(role=role, got=repr(shape)))
     return tuple(int(d) for d in shape)
 
 
-_EXCLUDE_HELP = (
-    "dot_formats: exclude takes None, a predicate of a js.ContractionSite, or a list of "
-    "operand shapes such as [(512, 10)] (js.has_operand_shape); got {got}. Select by name "
-    "with a predicate, e.g. lambda site: 'head' in site.source_line."
+_RULE_HELP = (
+    "dot_formats: {role} takes None, a predicate of a js.ContractionSite, a list of operand "
+    "shapes such as [(512, 10)] (js.has_operand_shape), or module path patterns such as "
+    "'.*/head' or ['.*/qkv', '.*/fc'] (js.has_module_path); got {got}."
 )
 
 
@@ -164,9 +236,10 @@ def dot_formats(
     lhs: DTypeLike | None = jnp.float8_e4m3fn,
     rhs: DTypeLike | None = jnp.float8_e4m3fn,
     grad: DTypeLike | None = jnp.float8_e5m2,
-    exclude: Exclude = None,
+    exclude: Rule = None,
     block: BlockRecipe | BlockFormat | None = None,
     scaling: str = "current",
+    include: Rule = None,
 ) -> Callable:
     """``fn`` with its matmuls and convolutions on ``lhs``/``rhs`` operands and ``grad`` cotangents.
 
@@ -202,9 +275,11 @@ def dot_formats(
         rhs: format of its right operand; None: no cast.
         grad: format of the cotangent of its result (``jnp.float8_e5m2``); None: no cast.
         exclude: contractions to keep as they are: a predicate on :class:`ContractionSite`
-            (primitive, operand shapes and dtypes, dimension numbers, source line), or a
-            sequence of operand shapes (see :func:`has_operand_shape`), e.g. a language
-            model's output head ``[(d_model, vocab)]``.
+            (primitive, operand shapes and dtypes, dimension numbers, source line, flax
+            module path), a sequence of operand shapes (see :func:`has_operand_shape`),
+            e.g. a language model's output head ``[(d_model, vocab)]``, or module path
+            patterns, a string or a sequence of strings (see :func:`has_module_path`), e.g.
+            ``".*/head"``. A shape or pattern that matches nothing is warned about.
         block: a block-scaled recipe (:class:`jax_scaled.formats.BlockRecipe`:
             ``js.nn.MXFP8``, ``js.nn.FP8_BLOCK128``, ...; or a
             :class:`~jax_scaled.formats.BlockFormat` ``F``, meaning ``F`` everywhere:
@@ -217,6 +292,9 @@ def dot_formats(
             scales are current scales). Other contractions (attention einsums with batch
             axes, convolutions, sizes the blocks do not tile) keep the per-tensor formats.
         scaling: ``"current"`` or ``"none"`` (see above).
+        include: like ``exclude``, the contractions to cast, the others kept as they are
+            (None: all); ``exclude`` applies among them, e.g. qwix's selection of the
+            blocks' layers, ``include="(.*/)?(qkv|proj|fc)"``.
 
     Returns:
         The transformed function.
@@ -237,7 +315,10 @@ def dot_formats(
         48.0
     """
     block = None if block is None else as_recipe(block, "dot_formats(block=...)")
-    policy = _Policy(_format(lhs), _format(rhs), _format(grad), _predicate(exclude), scaling, block)
+    policy = _Policy(
+        _format(lhs), _format(rhs), _format(grad), _predicate(exclude, "exclude"), scaling,
+        block, _predicate(include, "include"),
+    )  # fmt: skip
 
     @functools.wraps(fn)
     def with_formats(*args, **kwargs):
@@ -250,16 +331,22 @@ def _format(dtype: DTypeLike | None) -> jnp.dtype | None:
     return None if dtype is None else float_dtype(dtype)
 
 
-def _predicate(exclude: Exclude) -> Callable[[ContractionSite], bool]:
-    if exclude is None:
-        return lambda site: False
-    if callable(exclude):
-        return exclude
-    if isinstance(exclude, str) or not isinstance(exclude, Sequence):
-        raise TypeError(_EXCLUDE_HELP.format(got=repr(exclude)))
-    if any(isinstance(s, int | np.integer) for s in exclude):
-        raise TypeError(_EXCLUDE_HELP.format(got=f"{exclude!r} (one shape: write [{exclude!r}])"))
-    return has_operand_shape(*exclude)
+def _predicate(rule: Rule, role: str) -> Callable[[ContractionSite], bool] | None:
+    """The predicate of an ``include`` / ``exclude`` argument (None for None)."""
+    if rule is None or callable(rule):
+        return rule
+    if isinstance(rule, str):
+        return has_module_path(rule)
+    if not isinstance(rule, Sequence):
+        raise TypeError(_RULE_HELP.format(role=role, got=repr(rule)))
+    if rule and all(isinstance(p, str) for p in rule):
+        return has_module_path(*rule)
+    if any(isinstance(s, int | np.integer) for s in rule):
+        got = f"{rule!r} (one shape: write [{rule!r}])"
+        raise TypeError(_RULE_HELP.format(role=role, got=got))
+    if any(isinstance(s, str) for s in rule):
+        raise TypeError(_RULE_HELP.format(role=role, got=f"{rule!r} (shapes and patterns mixed)"))
+    return _ShapeRule(tuple(_checked_shape(shape, role) for shape in rule))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,15 +356,27 @@ class _Policy:
     lhs: jnp.dtype | None
     rhs: jnp.dtype | None
     grad: jnp.dtype | None
-    exclude: Callable[[ContractionSite], bool]
+    exclude: Callable[[ContractionSite], bool] | None
     scaling: str
     block: BlockRecipe | None = None
+    include: Callable[[ContractionSite], bool] | None = None
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
             raise ValueError(
                 f"dot_formats: scaling must be one of {SCALINGS}, got {self.scaling!r}"
             )
+
+    def selects(self, site: ContractionSite) -> bool:
+        """True for a contraction the formats apply to (``include``, then ``exclude``)."""
+        if self.include is not None and not self.include(site):
+            return False
+        return self.exclude is None or not self.exclude(site)
+
+    def rules(self) -> list[tuple[str, Any]]:
+        """``(role, rule)`` of the rules that report what they matched."""
+        pairs = [("include", self.include), ("exclude", self.exclude)]
+        return [(role, r) for role, r in pairs if isinstance(r, _ShapeRule | _PathRule)]
 
     def formats(self, eqn: jxi.JaxprEqn, lhs: Any, rhs: Any) -> CastFormats | None:
         """The casts of this contraction, or None to leave it as it is."""
@@ -287,7 +386,7 @@ class _Policy:
             return None
         if dtypes[:2] == (self.lhs, self.rhs):
             return None  # already in these formats (e.g. the forward of an FP8 nn.linear)
-        if self.exclude(_site(eqn, lhs, rhs)):
+        if not self.selects(_site(eqn, lhs, rhs)):
             return None
         return CastFormats(
             lhs=None if dtypes[0] == self.lhs else self.lhs,
@@ -310,7 +409,11 @@ def _site(eqn: jxi.JaxprEqn, lhs: Any, rhs: Any) -> ContractionSite:
         out=jax.ShapeDtypeStruct(out.shape, out.dtype),
         params=dict(eqn.params),
         source_line=jxi.eqn_source_line(eqn),
+        module_path=_TRANSFORMS.sub("", str(eqn.source_info.name_stack)).replace(")", ""),
     )
+
+
+_TRANSFORMS = re.compile(r"\w+\(")  # jvp(, transpose(, vmap(: name stack wrappers
 
 
 # ---------------------------------------------------------------------------------------
@@ -322,12 +425,11 @@ def _call(fn: Callable, policy: _Policy, args: tuple, kwargs: dict) -> Any:
     def run(traced):
         return _evaluate(traced.closed.jaxpr, traced.closed.consts, traced.arrays, policy)
 
-    rule = policy.exclude if isinstance(policy.exclude, _ShapeRule) else None
-    if rule is not None:
-        rule.matched.clear()
+    for _, rule in policy.rules():
+        rule.reset()
     outs = call_traced(fn, args, kwargs, run)  # ScaledArray arguments: their data and scale
-    if rule is not None:
-        rule.warn_unmatched()
+    for role, rule in policy.rules():
+        rule.warn_unmatched(role)
     return outs
 
 

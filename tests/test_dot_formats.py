@@ -326,13 +326,67 @@ def test_exclude_by_operand_shape():
 
 @pytest.mark.parametrize(
     ("exclude", "hint"),
-    [(5, "got 5"), ("head", "'head' in site.source_line"), ((8, 3), r"write \[\(8, 3\)\]"),
-     ([(8, "3")], r"got \(8, '3'\)"), ([8.0], "got 8.0")],
+    [(5, "got 5"), (["head", (8, 3)], "shapes and patterns mixed"),
+     ((8, 3), r"write \[\(8, 3\)\]"), ([(8, "3")], r"got \(8, '3'\)"), ([8.0], "got 8.0")],
 )  # fmt: skip
-def test_exclude_of_a_wrong_type_is_refused_with_the_forms_it_takes(exclude, hint):
-    with pytest.raises(TypeError, match="exclude takes None, a predicate") as raised:
-        dot_formats(lambda x, w: x @ w, exclude=exclude)
+@pytest.mark.parametrize("role", ["exclude", "include"])
+def test_a_rule_of_a_wrong_type_is_refused_with_the_forms_it_takes(role, exclude, hint):
+    with pytest.raises(TypeError, match=f"{role} takes None, a predicate") as raised:
+        dot_formats(lambda x, w: x @ w, **{role: exclude})
     assert re.search(hint, str(raised.value)), str(raised.value)
+    assert "js.has_module_path" in str(raised.value)
+
+
+class TwoBlocks(nn.Module):
+    """Two blocks of two named Dense layers, and a head: module paths to select from."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = nn.Dense(16, name=f"block{i}_fc")(jnp.tanh(nn.Dense(16, name=f"block{i}_qkv")(x)))
+        return nn.Dense(10, name="head")(x)
+
+
+def two_blocks_loss():
+    model, x = TwoBlocks(), normal(0, (8, 32))
+    params = model.init(jax.random.key(0), x)
+    return (lambda p, x: jnp.sum(model.apply(p, x) ** 2)), params, x
+
+
+ALL_LAYERS = ("block0_qkv", "block0_fc", "block1_qkv", "block1_fc", "head")
+
+
+@pytest.mark.parametrize(
+    ("rules", "selected"),
+    [({}, ALL_LAYERS), ({"exclude": ".*/head"}, ALL_LAYERS[:4]),
+     ({"include": ".*_qkv"}, ("block0_qkv", "block1_qkv")),
+     ({"include": [".*_qkv", ".*_fc"], "exclude": "TwoBlocks/block1_.*"}, ALL_LAYERS[:2]),
+     ({"exclude": js.has_module_path(".*/head", ".*/block0_fc")},
+      ("block0_qkv", "block1_qkv", "block1_fc"))],
+)  # fmt: skip
+def test_contractions_selected_by_flax_module_path(rules, selected):
+    loss, params, x = two_blocks_loss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every pattern matches: no warning
+        grad_fn = jax.jit(jax.value_and_grad(dot_formats(loss, **rules)))
+        lowered = grad_fn.lower(params, x)
+    # FP8 dots: each selected layer's forward and weight gradient, and its input gradient
+    # except the first layer's (x is not differentiated)
+    fp8 = 2 * len(selected) + sum(layer != "block0_qkv" for layer in selected)
+    assert count_contractions(lowered.as_text()) == (14, fp8)
+    value, grads = grad_fn(params, x)
+    assert np.isfinite(float(value))
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+def test_module_paths_seen_by_a_predicate_and_a_pattern_that_matches_nothing():
+    loss, params, x = two_blocks_loss()
+    paths = []
+    dot_formats(loss, exclude=lambda site: paths.append(site.module_path) or False)(params, x)
+    assert paths == ["TwoBlocks/block0_qkv", "TwoBlocks/block0_fc", "TwoBlocks/block1_qkv",
+                     "TwoBlocks/block1_fc", "TwoBlocks/head"]  # fmt: skip
+    with pytest.warns(js.dot_policy.UnmatchedRuleWarning, match="'head'.*TwoBlocks/head"):
+        dot_formats(loss, include="head")(params, x)  # fullmatch: the path has its parents
 
 
 def test_block_recipe_on_dense_contractions():
@@ -498,3 +552,23 @@ def test_gpt_training_step_has_fp8_contractions_but_the_head():
     assert rel_l2(js.asarray(value), expected_value) < 0.01
     for got, want in zip(js.tree.tree_leaves(grads), jax.tree.leaves(expected_grads)):
         assert rel_l2(js.asarray(got), want) < 0.2
+
+
+def test_nnx_contractions_take_the_path_of_their_named_scope():
+    # flax.nnx modules do not name their calls in JAX's name stack: a jax.named_scope does.
+    from flax import nnx
+
+    model = nnx.Linear(32, 16, rngs=nnx.Rngs(0))
+
+    def forward(x):
+        with jax.named_scope("encoder"):
+            hidden = model(x)
+        return model.kernel[...] @ hidden.T  # outside any scope: path ""
+
+    paths = []
+    dot_formats(forward, exclude=lambda site: paths.append(site.module_path) or False)(
+        normal(0, (8, 32))
+    )
+    assert paths == ["encoder", ""]
+    lowered = jax.jit(dot_formats(forward, include="encoder")).lower(normal(0, (8, 32)))
+    assert count_contractions(lowered.as_text()) == (2, 1)
