@@ -99,7 +99,6 @@ class ContractionSite:
 
 
 Rule = Callable[[ContractionSite], bool] | Sequence[Shape] | str | Sequence[str] | None
-Exclude = Rule  # the name earlier versions exported
 
 
 def has_operand_shape(*shapes: Shape) -> Callable[[ContractionSite], bool]:
