@@ -64,12 +64,12 @@ def quantised64(x, dtype, scaling: str = "current") -> np.ndarray:
     return (x / scale).astype(dtype).astype(np.float64) * scale
 
 
-def reference_and_grads(contract, lhs, rhs, cotangent, scaling: str = "current"):
+def reference_and_grads(contract, lhs, rhs, cotangent, scaling: str = "current", grad=E5M2):
     """``(y, (d_lhs, d_rhs))`` in float64 of the FP8 semantics of ``contract(lhs, rhs)``."""
     with jax.enable_x64(True):
         qa, qb = (jnp.asarray(quantised64(v, E4M3, scaling)) for v in (lhs, rhs))
         y, vjp = jax.vjp(contract, qa, qb)
-        grads = vjp(jnp.asarray(quantised64(cotangent, E5M2, scaling)))
+        grads = vjp(jnp.asarray(quantised64(cotangent, grad, scaling)))
         return np.asarray(y), tuple(np.asarray(g) for g in grads)
 
 
@@ -84,12 +84,12 @@ def assert_accumulation_close(actual, expected):
     np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=0, atol=atol)
 
 
-def check_against_reference(contract, lhs, rhs, scaling: str = "current"):
+def check_against_reference(contract, lhs, rhs, scaling: str = "current", grad=E5M2):
     cotangent = normal(9, jax.eval_shape(contract, lhs, rhs).shape)
     y, grads = jax.jit(functools.partial(value_and_grads, dot_formats(contract, scaling=scaling)))(
         lhs, rhs, cotangent
     )
-    y_ref, grads_ref = reference_and_grads(contract, lhs, rhs, cotangent, scaling)
+    y_ref, grads_ref = reference_and_grads(contract, lhs, rhs, cotangent, scaling, grad)
     assert y.dtype == jnp.float32 and [g.dtype for g in grads] == [jnp.float32] * 2
     for got, want in zip([y, *grads], [y_ref, *grads_ref], strict=True):
         assert_accumulation_close(got, want)
@@ -140,13 +140,34 @@ CONV_CASES = {
 
 @pytest.mark.parametrize("case", CONV_CASES, ids=list(CONV_CASES))
 def test_convolution_matches_float64_reference(case):
+    """A convolution's backward takes the cotangent in its E4M3 operands' format (JAX's
+    convolution takes one operand dtype): the reference rounds it to E4M3."""
     params = dict(CONV_CASES[case])
     lhs_shape, rhs_shape = params.pop("shapes")
     check_against_reference(
         lambda a, b: lax.conv_general_dilated(a, b, **params),
         normal(0, lhs_shape),
         normal(1, rhs_shape),
+        grad=E4M3,
     )
+
+
+@pytest.mark.parametrize("exponent", [-20, 0, 20])
+def test_convolution_gradients_run_as_fp8_kernels(exponent):
+    """Forward and both backward convolutions take FP8 operands (none widened to float32),
+    and the gradients stay within FP8 accuracy of float32 at magnitudes 2^-20 to 2^20."""
+    conv = functools.partial(
+        lax.conv_general_dilated, window_strides=(1, 1), padding="SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )  # fmt: skip
+    x, w = normal(0, (4, 16, 16, 32), 2.0**exponent), normal(1, (3, 3, 32, 64), 2.0**exponent)
+    r = normal(2, (4, 16, 16, 64), 2.0**exponent)
+    fp8 = jax.jit(functools.partial(value_and_grads, dot_formats(conv)))
+    assert count_contractions(fp8.lower(x, w, r).as_text()) == (3, 3)
+    y, (dx, dw) = fp8(x, w, r)
+    exact = value_and_grads(conv, x, w, r)
+    for got, want in zip([y, dx, dw], [exact[0], *exact[1]], strict=True):
+        assert rel_l2(got, want) < FP8_RTOL
 
 
 def test_no_scaling_quantises_the_values_as_they_are():
@@ -471,10 +492,9 @@ def test_flax_layers_are_reached():
         return jnp.sum(Model().apply(params, x) ** 2)
 
     lowered = jax.jit(jax.grad(dot_formats(loss))).lower(params, x)
-    # 3 forward, 5 backward (no input gradient for the convolution). The convolution's weight
-    # gradient mixes E4M3 and E5M2, which lax.conv_general_dilated does not take: it runs on
-    # both widened to float32 (exactly).
-    assert count_contractions(lowered.as_text()) == (8, 7)
+    # 3 forward, 5 backward (no input gradient for the convolution), all on FP8 operands: the
+    # convolution's weight gradient takes its cotangent in E4M3, the input's format.
+    assert count_contractions(lowered.as_text()) == (8, 8)
     bf16 = dot_formats(loss, lhs=jnp.bfloat16, rhs=jnp.bfloat16, grad=jnp.bfloat16)
     got, expected = jax.grad(bf16)(params, x)["params"], jax.grad(loss)(params, x)["params"]
     for layer in ("Conv_0", "DenseGeneral_0", "Dense_0"):  # (bias gradients: cancellation)

@@ -13,6 +13,9 @@ dimension numbers) and any ``conv_general_dilated``. :func:`jax_scaled.nn.linear
   convolution, a convolution with swapped specs, a reversed kernel and new padding), traced
   once on the shapes in the accumulation dtype and replayed on the cast values. Gradients
   are returned in ``CastFormats.lhs_grad`` / ``rhs_grad``. The casts are straight-through.
+  A convolution takes one operand dtype, so against an FP8 operand of another format its
+  cotangent is cast to that operand's format instead (:func:`cotangent_format`): E4M3 x E4M3
+  for the default recipe, an FP8 kernel where mixed formats would be widened to float32.
 
 **Scaling.** With ``scaling="none"`` a cast quantises the values as they are: anything below
 the format's smallest subnormal flushes to zero, anything above its largest overflows (this is
@@ -134,16 +137,30 @@ def _forward(lhs, rhs, contraction: Contraction, formats: CastFormats) -> tuple:
 
 def _backward(contraction: Contraction, formats: CastFormats, residuals, cotangent) -> tuple:
     lhs_q, rhs_q, lhs_scale, rhs_scale = residuals
-    g, g_scale = _quantize(cotangent, formats.grad, formats.scaling)
+    quantized = {}  # the cotangent per format: a convolution may need it in two
+
+    def cotangent_against(other: jax.Array) -> tuple:
+        dtype = cotangent_format(contraction.primitive, formats.grad, other.dtype)
+        if dtype not in quantized:
+            quantized[dtype] = _quantize(cotangent, dtype, formats.scaling)
+        return quantized[dtype]
+
     shapes = (tuple(lhs_q.shape), tuple(rhs_q.shape))
     lhs_accumulation = accumulation_dtype(formats.lhs_grad, formats.scaling)
     rhs_accumulation = accumulation_dtype(formats.rhs_grad, formats.scaling)
-    d_lhs = _transpose(contraction, 0, shapes, lhs_accumulation, rhs_q, g)
-    d_rhs = _transpose(contraction, 1, shapes, rhs_accumulation, lhs_q, g)
-    return (
-        _unscale(d_lhs, (g_scale, rhs_scale), formats.lhs_grad),
-        _unscale(d_rhs, (lhs_scale, g_scale), formats.rhs_grad),
+    g, g_scale = cotangent_against(rhs_q)
+    d_lhs = _unscale(
+        _transpose(contraction, 0, shapes, lhs_accumulation, rhs_q, g),
+        (g_scale, rhs_scale),
+        formats.lhs_grad,
     )
+    g, g_scale = cotangent_against(lhs_q)
+    d_rhs = _unscale(
+        _transpose(contraction, 1, shapes, rhs_accumulation, lhs_q, g),
+        (lhs_scale, g_scale),
+        formats.rhs_grad,
+    )
+    return d_lhs, d_rhs
 
 
 cast_contraction.defvjp(_forward, _backward)
@@ -210,6 +227,30 @@ def _unscale(y: jax.Array, scales: tuple, dtype: jnp.dtype) -> jax.Array:
         if scale is not None:
             y = y.astype(compute_dtype(y.dtype)) * scale
     return y.astype(dtype)
+
+
+def cotangent_format(
+    primitive: jxi.Primitive, grad: jnp.dtype | None, other: DTypeLike
+) -> jnp.dtype | None:
+    """The format a backward contraction takes the cotangent in, ``other`` being its other
+    operand's dtype: ``grad``, but for a convolution against an 8-bit operand of another
+    format. JAX's convolution takes one operand dtype, so there the cotangent is cast to
+    ``other`` (E4M3 against an E4M3 kernel): the kernel stays FP8, where widening both to
+    float32 would not (and casting the residual to ``grad`` would round it again).
+
+    Example:
+        >>> from jax_scaled.nn.cast_contraction import cotangent_format
+        >>> e4m3, e5m2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+        >>> cotangent_format(lax.conv_general_dilated_p, e5m2, e4m3)
+        dtype(float8_e4m3fn)
+        >>> cotangent_format(lax.dot_general_p, e5m2, e4m3)  # dot_general mixes formats
+        dtype(float8_e5m2)
+    """
+    other = jnp.dtype(other)
+    narrow_other = jnp.issubdtype(other, jnp.floating) and other.itemsize == 1
+    if primitive is lax.conv_general_dilated_p and grad is not None and narrow_other:
+        return other
+    return grad
 
 
 def _common_operands(primitive: jxi.Primitive, lhs: jax.Array, rhs: jax.Array) -> tuple:
