@@ -11,6 +11,7 @@ import functools
 import importlib
 import os
 import pkgutil
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -192,6 +193,15 @@ def eqn_name_stack(eqn: JaxprEqn) -> str:
     """The full name stack of ``eqn`` where it is being interpreted (e.g. ``transpose(jvp(f))``
     for an equation of a backward pass)."""
     return str(source_info_util.current_name_stack() + eqn.source_info.name_stack)
+
+
+def eqn_module_path(eqn: JaxprEqn) -> str:
+    """The flax module path of ``eqn`` (``"GPT/Block_0/qkv"``): its own name stack without
+    the transforms' wrappers (``jvp(``, ``transpose(``, ``vmap(``)."""
+    return _TRANSFORM_WRAPPER.sub("", str(eqn.source_info.name_stack)).replace(")", "")
+
+
+_TRANSFORM_WRAPPER = re.compile(r"\w+\(")
 
 
 @contextlib.contextmanager

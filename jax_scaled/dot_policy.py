@@ -26,18 +26,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
+from jax_scaled.contraction_rules import (  # noqa: F401  (public names of this module too)
+    ContractionSite,
+    MatchingRule,
+    Rule,
+    UnmatchedExcludeWarning,
+    UnmatchedRuleWarning,
+    as_predicate,
+    has_module_path,
+    has_operand_shape,
+    site_of,
+)
+from jax_scaled.dot_delayed import DelayedFormats, HistoryBook
 from jax_scaled.dtypes import float_dtype
 from jax_scaled.engine.tracing import bind_eqn, call_traced, evaluate_jaxpr
 from jax_scaled.formats import BlockFormat, as_recipe
@@ -49,8 +58,10 @@ from jax_scaled.nn.cast_contraction import (
     accumulation_dtype,
     cast_contraction,
 )
+from jax_scaled.nn.delayed_contraction import delayed_contraction
+from jax_scaled.ops.delayed import DelayedScaling
 
-Shape = tuple[int, ...]
+_SCALINGS = (*SCALINGS, "delayed")
 _CONTRACTIONS = (lax.dot_general_p, lax.conv_general_dilated_p)
 
 
@@ -58,175 +69,6 @@ def _is_opaque(primitive: jxi.Primitive) -> bool:
     """Higher-order primitives whose bodies trace only in their own context (a mesh's manual
     axes, a kernel's memory references): bound as they are, contractions inside included."""
     return primitive is jxi.shard_map_p or jxi.is_kernel_call(primitive)
-
-
-@dataclasses.dataclass(frozen=True)
-class ContractionSite:
-    """One contraction of the program, as an ``exclude`` predicate sees it.
-
-    Attributes:
-        primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
-        lhs: shape and dtype of the left operand.
-        rhs: shape and dtype of the right operand.
-        out: shape and dtype of the result.
-        params: the equation's parameters (``dimension_numbers``, padding, ...).
-        source_line: the user's source location, ``file:line (function)``.
-        module_path: the flax ``linen`` module path of the contraction, root module first
-            (``"GPT/Block_0/qkv"``): JAX's name stack without its transforms (``jvp(...)``).
-            ``""`` outside named modules; ``flax.nnx`` modules do not name their calls, so
-            their contractions have the path of the ``jax.named_scope`` around them, if any.
-
-    Example:
-        >>> def small_contractions(site):  # an exclude predicate: keep small ones 16-bit
-        ...     return site.rhs.shape[-1] < 16
-        >>> f = dot_formats(lambda x, w: x @ w, exclude=small_contractions)
-        >>> f(jnp.ones((2, 4)), jnp.ones((4, 8))).dtype
-        dtype('float32')
-    """
-
-    primitive: str
-    lhs: jax.ShapeDtypeStruct
-    rhs: jax.ShapeDtypeStruct
-    out: jax.ShapeDtypeStruct
-    params: Mapping[str, Any]
-    source_line: str
-    module_path: str = ""
-
-    @property
-    def dimension_numbers(self) -> Any:
-        """The contraction's ``dimension_numbers`` parameter."""
-        return self.params["dimension_numbers"]
-
-
-Rule = Callable[[ContractionSite], bool] | Sequence[Shape] | str | Sequence[str] | None
-
-
-def has_operand_shape(*shapes: Shape) -> Callable[[ContractionSite], bool]:
-    """A predicate for ``exclude``: true for a contraction with an operand of one of ``shapes``.
-
-    Args:
-        *shapes: operand shapes, e.g. ``(d_model, vocab)`` for a language model's head.
-
-    Returns:
-        A function of a :class:`ContractionSite`.
-
-    Example:
-        >>> from jax_scaled import has_operand_shape
-        >>> head = dot_formats(lambda x, w: x @ w, exclude=has_operand_shape((4, 3)))
-        >>> head(jnp.ones((2, 4)) / 3, jnp.ones((4, 3))).tolist()[0][0]  # float32, not FP8
-        1.3333333730697632
-    """
-    return _ShapeRule(tuple(_checked_shape(s) for s in shapes))
-
-
-class UnmatchedRuleWarning(UserWarning):
-    """An ``include`` or ``exclude`` rule of :func:`dot_formats` (an operand shape, a module
-    path pattern) matched no contraction of the function."""
-
-
-class UnmatchedExcludeWarning(UnmatchedRuleWarning):
-    """An ``exclude`` shape of :func:`dot_formats` matched no contraction of the function."""
-
-
-def has_module_path(*patterns: str) -> Callable[[ContractionSite], bool]:
-    """A predicate for ``include`` / ``exclude``: true for a contraction whose
-    :attr:`ContractionSite.module_path` matches one of the regular expressions ``patterns``
-    in full (``re.fullmatch``, as qwix's rules match module paths). :func:`dot_formats` warns
-    (:class:`UnmatchedRuleWarning`) about a pattern that matched no contraction, naming the
-    paths it saw.
-
-    Args:
-        *patterns: regular expressions, e.g. ``".*/head"`` or ``"(.*/)?(qkv|proj|fc)"``.
-
-    Example:
-        >>> import flax.linen as nn
-        >>> model = nn.Sequential([nn.Dense(8), nn.Dense(3)])  # paths Sequential/layers_0, _1
-        >>> x = jnp.ones((2, 4))
-        >>> params = model.init(jax.random.key(0), x)
-        >>> last_kept = dot_formats(model.apply, exclude=has_module_path(".*/layers_1"))
-        >>> last_kept(params, x).shape
-        (2, 3)
-    """
-    for pattern in patterns:
-        if not isinstance(pattern, str):
-            raise TypeError(f"has_module_path takes regular expressions (str), got {pattern!r}")
-        re.compile(pattern)  # a malformed pattern fails here, where the user wrote it
-    return _PathRule(patterns)
-
-
-class _PathRule:
-    """``has_module_path``'s predicate; remembers which patterns matched during one call."""
-
-    def __init__(self, patterns: tuple[str, ...]) -> None:
-        self.patterns = patterns
-        self.matched: set[str] = set()
-        self.seen: list[str] = []
-
-    def __call__(self, site: ContractionSite) -> bool:
-        if site.module_path not in self.seen:
-            self.seen.append(site.module_path)
-        found = {p for p in self.patterns if re.fullmatch(p, site.module_path)}
-        self.matched |= found
-        return bool(found)
-
-    def reset(self) -> None:
-        self.matched.clear()
-        self.seen.clear()
-
-    def warn_unmatched(self, role: str) -> None:
-        missing = [p for p in self.patterns if p not in self.matched]
-        if missing:
-            seen = ", ".join(repr(p) for p in self.seen[:8]) or "none"
-            warnings.warn(
-                f"dot_formats: {role} module path patterns {missing} match no contraction of "
-                f"this function (re.fullmatch); its contractions' module paths: {seen}.",
-                UnmatchedRuleWarning,
-                stacklevel=jxi.user_stacklevel(),
-            )
-
-
-class _ShapeRule:
-    """``has_operand_shape``'s predicate; remembers the shapes it matched during one call, so
-    that :func:`dot_formats` can warn about the ones that matched nothing (a typo, a
-    transposed shape)."""
-
-    def __init__(self, shapes: tuple[Shape, ...]) -> None:
-        self.shapes = shapes
-        self.matched: set[Shape] = set()
-
-    def __call__(self, site: ContractionSite) -> bool:
-        found = {s for s in self.shapes if s in (tuple(site.lhs.shape), tuple(site.rhs.shape))}
-        self.matched |= found
-        return bool(found)
-
-    def reset(self) -> None:
-        self.matched.clear()
-
-    def warn_unmatched(self, role: str) -> None:
-        missing = [s for s in self.shapes if s not in self.matched]
-        if missing:
-            warnings.warn(
-                f"dot_formats: {role} shapes {missing} match no operand of a contraction of "
-                "this function (check the shape: operands are matched as written, e.g. "
-                "(d_model, vocab)).",
-                UnmatchedExcludeWarning if role == "exclude" else UnmatchedRuleWarning,
-                stacklevel=jxi.user_stacklevel(),
-            )
-
-
-def _checked_shape(shape: Any, role: str = "exclude") -> Shape:
-    if isinstance(shape, str) or not isinstance(shape, Sequence):
-        raise TypeError(_RULE_HELP.format(role=role, got=repr(shape)))
-    if not all(isinstance(d, int | np.integer) and not isinstance(d, bool) for d in shape):
-        raise TypeError(_RULE_HELP.format(role=role, got=repr(shape)))
-    return tuple(int(d) for d in shape)
-
-
-_RULE_HELP = (
-    "dot_formats: {role} takes None, a predicate of a js.ContractionSite, a list of operand "
-    "shapes such as [(512, 10)] (js.has_operand_shape), or module path patterns such as "
-    "'.*/head' or ['.*/qkv', '.*/fc'] (js.has_module_path); got {got}."
-)
 
 
 def dot_formats(
@@ -237,7 +79,7 @@ def dot_formats(
     grad: DTypeLike | None = jnp.float8_e5m2,
     exclude: Rule = None,
     block: BlockRecipe | BlockFormat | None = None,
-    scaling: str = "current",
+    scaling: str | DelayedScaling = "current",
     include: Rule = None,
 ) -> Callable:
     """``fn`` with its matmuls and convolutions on ``lhs``/``rhs`` operands and ``grad`` cotangents.
@@ -264,6 +106,20 @@ def dot_formats(
     Under :func:`jax_scaled.scalify`, ScaledArray operands are not rescaled: the cast acts on
     their data and keeps their scale, which scalify already keeps in range. ``"none"``: the
     casts quantise values as they are (raw FP8: tiny values flush to zero, large overflow).
+    ``"delayed"`` (or a :class:`~jax_scaled.ops.DelayedScaling` for its history length,
+    margin and amax rule; ``"delayed"`` keeps 1024 steps and takes their largest amax, as
+    Transformer Engine and flax do): each cast's scale comes from the amax of the previous
+    steps, kept in an explicit state; casts saturate. The function returned is then a
+    :class:`~jax_scaled.dot_delayed.DelayedFormats`, called ``f(state, *args)``, with
+    ``state = f.init(*args)``; the next state is the gradient with respect to ``state``:
+    ``loss, (state, grads) = jax.value_and_grad(f, argnums=(0, 1))(state, params, batch)``.
+    Contractions in loop bodies, ``remat`` and custom-derivative functions are refused
+    there (they do not run once per call); nested ``jit`` (``jnp.einsum``) is inlined.
+
+    **FP8 kernels.** Forward contractions take both operands in ``lhs``/``rhs``. The
+    backward ``dot_general`` take the ``grad`` cotangent with an operand; a backward
+    convolution takes the cotangent in its other operand's format (JAX's convolution takes
+    one operand dtype), so it is E4M3 x E4M3 with the defaults.
 
     Compose with a training step as ``js.scalify(jax.value_and_grad(dot_formats(loss)))``:
     apply the policy to the function that is differentiated.
@@ -290,13 +146,15 @@ def dot_formats(
             replace ``lhs``/``rhs``/``grad`` there, and ``scaling`` does not apply: block
             scales are current scales). Other contractions (attention einsums with batch
             axes, convolutions, sizes the blocks do not tile) keep the per-tensor formats.
-        scaling: ``"current"`` or ``"none"`` (see above).
+        scaling: ``"current"``, ``"none"``, ``"delayed"`` or a
+            :class:`~jax_scaled.ops.DelayedScaling` (see above).
         include: like ``exclude``, the contractions to cast, the others kept as they are
             (None: all); ``exclude`` applies among them, e.g. qwix's selection of the
             blocks' layers, ``include="(.*/)?(qkv|proj|fc)"``.
 
     Returns:
-        The transformed function.
+        The transformed function (a :class:`~jax_scaled.dot_delayed.DelayedFormats` with
+        delayed scaling).
 
     Example:
         >>> from jax_scaled import dot_formats
@@ -315,37 +173,21 @@ def dot_formats(
     """
     block = None if block is None else as_recipe(block, "dot_formats(block=...)")
     policy = _Policy(
-        _format(lhs), _format(rhs), _format(grad), _predicate(exclude, "exclude"), scaling,
-        block, _predicate(include, "include"),
+        _format(lhs), _format(rhs), _format(grad), as_predicate(exclude, "exclude"), scaling,
+        block, as_predicate(include, "include"),
     )  # fmt: skip
+    if policy.delayed is not None:
+        return DelayedFormats(fn, functools.partial(_call, policy=policy), policy.delayed)
 
     @functools.wraps(fn)
     def with_formats(*args, **kwargs):
-        return _call(fn, policy, args, kwargs)
+        return _call(fn, args, kwargs, policy=policy)
 
     return with_formats
 
 
 def _format(dtype: DTypeLike | None) -> jnp.dtype | None:
     return None if dtype is None else float_dtype(dtype)
-
-
-def _predicate(rule: Rule, role: str) -> Callable[[ContractionSite], bool] | None:
-    """The predicate of an ``include`` / ``exclude`` argument (None for None)."""
-    if rule is None or callable(rule):
-        return rule
-    if isinstance(rule, str):
-        return has_module_path(rule)
-    if not isinstance(rule, Sequence):
-        raise TypeError(_RULE_HELP.format(role=role, got=repr(rule)))
-    if rule and all(isinstance(p, str) for p in rule):
-        return has_module_path(*rule)
-    if any(isinstance(s, int | np.integer) for s in rule):
-        got = f"{rule!r} (one shape: write [{rule!r}])"
-        raise TypeError(_RULE_HELP.format(role=role, got=got))
-    if any(isinstance(s, str) for s in rule):
-        raise TypeError(_RULE_HELP.format(role=role, got=f"{rule!r} (shapes and patterns mixed)"))
-    return _ShapeRule(tuple(_checked_shape(shape, role) for shape in rule))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,15 +198,29 @@ class _Policy:
     rhs: jnp.dtype | None
     grad: jnp.dtype | None
     exclude: Callable[[ContractionSite], bool] | None
-    scaling: str
+    scaling: str | DelayedScaling
     block: BlockRecipe | None = None
     include: Callable[[ContractionSite], bool] | None = None
 
     def __post_init__(self):
-        if self.scaling not in SCALINGS:
+        if isinstance(self.scaling, DelayedScaling):
+            return
+        if self.scaling not in _SCALINGS:
             raise ValueError(
-                f"dot_formats: scaling must be one of {SCALINGS}, got {self.scaling!r}"
+                f"dot_formats: scaling must be one of {_SCALINGS} or a js.ops.DelayedScaling, "
+                f"got {self.scaling!r}"
             )
+        if self.scaling == "delayed":  # Transformer Engine's and flax's history length
+            object.__setattr__(self, "scaling", DelayedScaling(history_len=1024))
+
+    @property
+    def delayed(self) -> DelayedScaling | None:
+        """The delayed scaling recipe, None for current or no scaling."""
+        return self.scaling if isinstance(self.scaling, DelayedScaling) else None
+
+    @property
+    def scaling_name(self) -> str:
+        return "delayed" if self.delayed is not None else self.scaling
 
     def selects(self, site: ContractionSite) -> bool:
         """True for a contraction the formats apply to (``include``, then ``exclude``)."""
@@ -375,17 +231,16 @@ class _Policy:
     def rules(self) -> list[tuple[str, Any]]:
         """``(role, rule)`` of the rules that report what they matched."""
         pairs = [("include", self.include), ("exclude", self.exclude)]
-        return [(role, r) for role, r in pairs if isinstance(r, _ShapeRule | _PathRule)]
+        return [(role, r) for role, r in pairs if isinstance(r, MatchingRule)]
 
-    def formats(self, eqn: jxi.JaxprEqn, lhs: Any, rhs: Any) -> CastFormats | None:
+    def formats(self, eqn: jxi.JaxprEqn, site: ContractionSite) -> CastFormats | None:
         """The casts of this contraction, or None to leave it as it is."""
-        out = eqn.outvars[0].aval
-        dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), jnp.dtype(out.dtype))
+        dtypes = (site.lhs.dtype, site.rhs.dtype, site.out.dtype)
         if not all(jnp.issubdtype(d, jnp.floating) for d in dtypes):
             return None
         if dtypes[:2] == (self.lhs, self.rhs):
             return None  # already in these formats (e.g. the forward of an FP8 nn.linear)
-        if not self.selects(_site(eqn, lhs, rhs)):
+        if not self.selects(site):
             return None
         return CastFormats(
             lhs=None if dtypes[0] == self.lhs else self.lhs,
@@ -393,26 +248,10 @@ class _Policy:
             grad=self.grad,
             lhs_grad=dtypes[0],
             rhs_grad=dtypes[1],
-            accumulation=accumulation_dtype(dtypes[2], self.scaling),
+            accumulation=accumulation_dtype(dtypes[2], self.scaling_name),
             output=dtypes[2],
-            scaling=self.scaling,
+            scaling=self.scaling_name,
         )
-
-
-def _site(eqn: jxi.JaxprEqn, lhs: Any, rhs: Any) -> ContractionSite:
-    out = eqn.outvars[0].aval
-    return ContractionSite(
-        primitive=eqn.primitive.name,
-        lhs=jax.ShapeDtypeStruct(np.shape(lhs), lhs.dtype),
-        rhs=jax.ShapeDtypeStruct(np.shape(rhs), rhs.dtype),
-        out=jax.ShapeDtypeStruct(out.shape, out.dtype),
-        params=dict(eqn.params),
-        source_line=jxi.eqn_source_line(eqn),
-        module_path=_TRANSFORMS.sub("", str(eqn.source_info.name_stack)).replace(")", ""),
-    )
-
-
-_TRANSFORMS = re.compile(r"\w+\(")  # jvp(, transpose(, vmap(: name stack wrappers
 
 
 # ---------------------------------------------------------------------------------------
@@ -420,9 +259,12 @@ _TRANSFORMS = re.compile(r"\w+\(")  # jvp(, transpose(, vmap(: name stack wrappe
 # ---------------------------------------------------------------------------------------
 
 
-def _call(fn: Callable, policy: _Policy, args: tuple, kwargs: dict) -> Any:
+def _call(
+    fn: Callable, args: tuple, kwargs: dict, book: HistoryBook | None = None, *, policy: _Policy
+) -> Any:
     def run(traced):
-        return _evaluate(traced.closed.jaxpr, traced.closed.consts, traced.arrays, policy)
+        closed = traced.closed
+        return _evaluate(closed.jaxpr, closed.consts, traced.arrays, policy, book)
 
     for _, rule in policy.rules():
         rule.reset()
@@ -432,28 +274,65 @@ def _call(fn: Callable, policy: _Policy, args: tuple, kwargs: dict) -> Any:
     return outs
 
 
-def _evaluate(jaxpr: jxi.Jaxpr, consts: Sequence, args: Sequence, policy: _Policy) -> list:
-    """Run ``jaxpr`` on ``args`` in the current trace, contractions replaced per ``policy``."""
+def _evaluate(
+    jaxpr: jxi.Jaxpr,
+    consts: Sequence,
+    args: Sequence,
+    policy: _Policy,
+    book: HistoryBook | None = None,
+) -> list:
+    """Run ``jaxpr`` on ``args`` in the current trace, contractions replaced per ``policy``
+    (with delayed scaling, their histories taken from ``book``)."""
 
     def eval_eqn(eqn: jxi.JaxprEqn, invals: list) -> list:
         with jxi.eqn_user_context(eqn):
-            return _evaluate_eqn(eqn, invals, policy)
+            return _evaluate_eqn(eqn, invals, policy, book)
 
     return evaluate_jaxpr(jaxpr, consts, args, eval_eqn)
 
 
-def _evaluate_eqn(eqn: jxi.JaxprEqn, invals: list, policy: _Policy) -> list:
+def _evaluate_eqn(
+    eqn: jxi.JaxprEqn, invals: list, policy: _Policy, book: HistoryBook | None
+) -> list:
     if eqn.primitive in _CONTRACTIONS:
-        formats = policy.formats(eqn, *invals)
-        if formats is not None and _is_block_dense(eqn, *invals, policy.block):
-            out = block_linear(*invals, policy.block).astype(eqn.outvars[0].aval.dtype)
-            return [jxi.with_weak_type(out) if eqn.outvars[0].aval.weak_type else out]
+        site = site_of(eqn, *invals)
+        formats = policy.formats(eqn, site)
         if formats is not None:
-            out = cast_contraction(*invals, Contraction.of(eqn.primitive, eqn.params), formats)
+            out = _contraction(eqn, invals, formats, site, policy, book)
             return [jxi.with_weak_type(out) if eqn.outvars[0].aval.weak_type else out]
     elif not _is_opaque(eqn.primitive) and _has_contraction_inside(eqn):
+        if book is not None:
+            return _inlined(eqn, invals, policy, book)
         eqn = jxi.map_jaxpr_params(eqn, functools.partial(_transform, policy=policy))
     return bind_eqn(eqn, invals)
+
+
+def _contraction(eqn, invals, formats, site, policy: _Policy, book: HistoryBook | None):
+    """The replacement of one selected contraction, in its original dtype."""
+    if _is_block_dense(eqn, *invals, policy.block):
+        return block_linear(*invals, policy.block).astype(eqn.outvars[0].aval.dtype)
+    contraction = Contraction.of(eqn.primitive, eqn.params)
+    if book is None:
+        return cast_contraction(*invals, contraction, formats)
+    return delayed_contraction(*invals, book.take(site), contraction, formats, policy.delayed)
+
+
+_INLINED_CALLS = {jxi.jit_p: "jaxpr", jxi.closed_call_p: "call_jaxpr"}
+
+
+def _inlined(eqn: jxi.JaxprEqn, invals: list, policy: _Policy, book: HistoryBook) -> list:
+    """A call's body evaluated in place, so that its contractions take their histories from
+    ``book`` (values unchanged: a nested ``jit`` is inlined into the outer one anyway)."""
+    if eqn.primitive not in _INLINED_CALLS:
+        raise NotImplementedError(
+            f"dot_formats(scaling='delayed'): contractions inside {eqn.primitive.name} (at "
+            f"{jxi.eqn_source_line(eqn)}) are not supported: an amax history belongs to a "
+            "contraction that runs once per call (a loop body runs many times; a remat or "
+            "custom-derivative body is re-run or replaced). Use scaling='current', or leave "
+            "them out with exclude=."
+        )
+    closed = eqn.params[_INLINED_CALLS[eqn.primitive]]
+    return _evaluate(closed.jaxpr, closed.consts, invals, policy, book)
 
 
 def _is_block_dense(eqn: jxi.JaxprEqn, lhs: Any, rhs: Any, block: BlockRecipe | None) -> bool:

@@ -461,9 +461,10 @@ def test_block_recipe_under_scalify_matches_plain_jax():
         assert rel_l2(a.to_array(jnp.float32), b) < 8 * float(jnp.finfo(jnp.float16).eps)
 
 
-def test_bad_scaling_is_refused():
-    with pytest.raises(ValueError, match="scaling"):
-        dot_formats(jnp.matmul, scaling="delayed")
+@pytest.mark.parametrize("scaling", ["dynamic", "Delayed", None])
+def test_bad_scaling_is_refused(scaling):
+    with pytest.raises(ValueError, match="scaling must be one of.*DelayedScaling"):
+        dot_formats(jnp.matmul, scaling=scaling)
 
 
 def test_fp8_nn_linear_is_left_as_it_is():

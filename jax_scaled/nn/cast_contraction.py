@@ -31,6 +31,7 @@ being kept.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -129,38 +130,42 @@ def cast_contraction(
 def _forward(lhs, rhs, contraction: Contraction, formats: CastFormats) -> tuple:
     lhs_q, lhs_scale = _quantize(lhs, formats.lhs, formats.scaling)
     rhs_q, rhs_scale = _quantize(rhs, formats.rhs, formats.scaling)
-    out = _unscale(
+    out = unscale(
         contraction(lhs_q, rhs_q, formats.accumulation), (lhs_scale, rhs_scale), formats.output
     )
     return out, (lhs_q, rhs_q, lhs_scale, rhs_scale)
 
 
 def _backward(contraction: Contraction, formats: CastFormats, residuals, cotangent) -> tuple:
+    def quantize(dtype: jnp.dtype | None) -> tuple:
+        return _quantize(cotangent, dtype, formats.scaling)
+
+    return backward_contractions(contraction, formats, residuals, quantize)
+
+
+def backward_contractions(
+    contraction: Contraction, formats: CastFormats, residuals: tuple, quantize: Callable
+) -> tuple:
+    """``(d_lhs, d_rhs)`` from the cast operands and scales ``residuals`` and the cotangent,
+    ``quantize(dtype)`` giving it cast to ``dtype`` with its scale (None: not rescaled)."""
     lhs_q, rhs_q, lhs_scale, rhs_scale = residuals
     quantized = {}  # the cotangent per format: a convolution may need it in two
 
     def cotangent_against(other: jax.Array) -> tuple:
         dtype = cotangent_format(contraction.primitive, formats.grad, other.dtype)
         if dtype not in quantized:
-            quantized[dtype] = _quantize(cotangent, dtype, formats.scaling)
+            quantized[dtype] = quantize(dtype)
         return quantized[dtype]
 
     shapes = (tuple(lhs_q.shape), tuple(rhs_q.shape))
     lhs_accumulation = accumulation_dtype(formats.lhs_grad, formats.scaling)
     rhs_accumulation = accumulation_dtype(formats.rhs_grad, formats.scaling)
     g, g_scale = cotangent_against(rhs_q)
-    d_lhs = _unscale(
-        _transpose(contraction, 0, shapes, lhs_accumulation, rhs_q, g),
-        (g_scale, rhs_scale),
-        formats.lhs_grad,
-    )
+    d_lhs = _transpose(contraction, 0, shapes, lhs_accumulation, rhs_q, g)
+    d_lhs = unscale(d_lhs, (g_scale, rhs_scale), formats.lhs_grad)
     g, g_scale = cotangent_against(lhs_q)
-    d_rhs = _unscale(
-        _transpose(contraction, 1, shapes, rhs_accumulation, lhs_q, g),
-        (lhs_scale, g_scale),
-        formats.rhs_grad,
-    )
-    return d_lhs, d_rhs
+    d_rhs = _transpose(contraction, 1, shapes, rhs_accumulation, lhs_q, g)
+    return d_lhs, unscale(d_rhs, (lhs_scale, g_scale), formats.rhs_grad)
 
 
 cast_contraction.defvjp(_forward, _backward)
@@ -209,19 +214,19 @@ def _quantize(x: jax.Array, dtype: jnp.dtype | None, scaling: str) -> tuple:
     """``(x cast to dtype, its scale)``; the scale is None when ``x`` is not rescaled."""
     if dtype is None:
         return x, None
-    if scaling == "none" or _has_float32_range(dtype):
+    if scaling == "none" or has_float32_range(dtype):
         return x.astype(dtype), None
     scale = current_scale(x, dtype)
     return (x.astype(compute_dtype(x.dtype)) / scale).astype(dtype), scale
 
 
-def _has_float32_range(dtype: jnp.dtype) -> bool:
+def has_float32_range(dtype: jnp.dtype) -> bool:
     """True for bfloat16 (or wider): nothing to rescale, and a cast to the top of its range
     would overflow a float32 accumulator."""
     return ml_dtypes.finfo(dtype).maxexp >= ml_dtypes.finfo(F32).maxexp
 
 
-def _unscale(y: jax.Array, scales: tuple, dtype: jnp.dtype) -> jax.Array:
+def unscale(y: jax.Array, scales: tuple, dtype: jnp.dtype) -> jax.Array:
     """``y`` times each scale (one at a time: no underflow of their product), as ``dtype``."""
     for scale in scales:
         if scale is not None:
@@ -276,7 +281,7 @@ def accumulation_dtype(result: DTypeLike, scaling: str) -> jnp.dtype:
 
     Args:
         result: the dtype the contraction's result is returned in.
-        scaling: ``"none"`` or ``"current"``.
+        scaling: ``"none"``, ``"current"`` or ``"delayed"``.
 
     Returns:
         The dtype to pass as the contraction's ``preferred_element_type``.
@@ -288,7 +293,7 @@ def accumulation_dtype(result: DTypeLike, scaling: str) -> jnp.dtype:
         >>> str(accumulation_dtype(jnp.float16, "current"))
         'float32'
     """
-    if scaling == "current":
+    if scaling != "none":  # current or delayed: rescaled operands
         return compute_dtype(result)
     return _wide(result)
 
