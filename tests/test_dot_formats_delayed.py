@@ -268,3 +268,18 @@ def test_training_under_scalify_follows_float32():
     assert abs(got - reference) / reference < FP8_RTOL
     head = fp8_state["001:Mlp/head"]
     assert np.all(np.isfinite(np.asarray(js.asarray(head.grad)))) and float(head.grad[0]) > 0
+
+
+def test_a_restored_state_is_rebuilt_into_its_histories():
+    """Restored without a target (orbax: a namedtuple as a dict of its fields), the state is
+    refused; ``js.tree.rebuild_like`` gives it back its histories, values unchanged."""
+    loss, params, x = mlp_problem()
+    f = js.dot_formats(loss, scaling=DelayedScaling(8))
+    state, _ = jax.grad(f, argnums=(0, 1))(f.init(params, x), params, x)
+    raw = {key: h._asdict() for key, h in state.items()}
+    with pytest.raises(TypeError, match="rebuild_like"):
+        f(raw, params, x)
+    rebuilt = js.tree.rebuild_like(raw, jax.eval_shape(lambda: state))
+    assert float(f(rebuilt, params, x)) == float(f(state, params, x))
+    for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
