@@ -520,18 +520,43 @@ def _cast_fitting(x: ScaledArray, dtype: jnp.dtype) -> ScaledArray:
 def asarray(tree: Any, dtype: DTypeLike | None = None) -> Any:
     """Turn every ScaledArray of ``tree`` back into a plain array ``data * scale``.
 
-    ``dtype`` casts every floating leaf (scaled or not); other leaves are unchanged.
+    By default a ScaledArray with data narrower than float32 (float16, bfloat16, FP8, FP4)
+    comes back in **float32**: its value ``data * scale`` may lie far outside the data
+    format's range (that is what the scale is for), and float32 holds it exactly where the
+    data dtype would flush it to zero or overflow it. Block-scaled FP8 data thus gives a
+    float32 array that mixes with other float32 arrays. float32 and float64 data keep their
+    dtype; plain leaves are unchanged. An explicit ``dtype`` casts every floating leaf
+    (scaled or not) to it; other leaves are unchanged. :meth:`ScaledArray.to_array` keeps
+    the data dtype.
 
     Example:
         >>> asarray(scaled_array([1.0, 3.0], 0.5))
         Array([0.5, 1.5], dtype=float32)
+        >>> x = scaled_array([1.0, 3.0], 2.0**-30, dtype=jnp.float16)
+        >>> y = asarray(x)
+        >>> y.dtype, (y * 2**30).tolist()  # float32: exact
+        (dtype('float32'), [1.0, 3.0])
+        >>> asarray(x, jnp.float16).tolist()  # below float16's subnormals: flushed
+        [0.0, 0.0]
     """
 
     def convert(x):
         if isinstance(x, ScaledArray):
-            return x.to_array(dtype)
+            return x.to_array(compute_dtype(x.dtype) if dtype is None else dtype)
         if dtype is not None and is_array_like(x) and _is_float_dtype(x.dtype):
             return jnp.asarray(x, dtype=dtype)
         return x
 
     return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, ScaledArray))
+
+
+def data_dtype_value(x: Value) -> jax.Array:
+    """The represented value of a scaled or plain operand, in its data dtype: what a scale
+    rule binds a value-based primitive on (its output dtype must follow the data's, not
+    :func:`asarray`'s float32).
+
+    Example:
+        >>> data_dtype_value(scaled_array([1.0, 3.0], 0.5, dtype=jnp.float16))
+        Array([0.5, 1.5], dtype=float16)
+    """
+    return x.to_array() if isinstance(x, ScaledArray) else x

@@ -93,6 +93,68 @@ def test_asarray_casts_every_float_leaf():
     assert out["a"].dtype == jnp.float16 and out["b"].dtype == jnp.float16 and out["i"] == 3
 
 
+# Values float16 cannot hold: subnormal (2^-20: low bits lost), flushed (2^-30), overflow (2^20).
+@pytest.mark.parametrize("exponent", [-20, -30, 20])
+def test_asarray_of_narrow_data_is_the_exact_float32_value(exponent):
+    data = np.array([1.0 + 2.0**-10, -3.0, 1.5, 0.0], np.float16)
+    x = js.ScaledArray(jnp.asarray(data), jnp.float32(2.0**exponent))
+    out = js.asarray(x)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, data.astype(np.float64) * 2.0**exponent)
+    old = np.asarray(js.asarray(x, jnp.float16), np.float64)  # the data dtype loses the value
+    assert not np.array_equal(old, data.astype(np.float64) * 2.0**exponent)
+
+
+def test_asarray_of_bfloat16_data_is_float32():
+    x = js.scaled_array([1.0 + 2.0**-7, 3.0], 2.0**-100, dtype=jnp.bfloat16)
+    out = js.asarray(x)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, np.array([1.0 + 2.0**-7, 3.0]) * 2.0**-100)
+
+
+def test_asarray_of_mx_quantized_data_mixes_with_float32():
+    x = (jnp.arange(64.0).reshape(2, 32) % 16 - 8) * 2.0**-20
+    q = js.quantize(x, "mxfp8_e4m3", axis=-1)
+    assert q.dtype == jnp.float8_e4m3fn and q.scale.shape == (2, 1)
+    mixed = js.asarray(q) + jnp.zeros((2, 32), jnp.float32)  # float8 would refuse to mix
+    assert mixed.dtype == jnp.float32
+    np.testing.assert_array_equal(mixed, x)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_asarray_keeps_float32_and_wider_data_dtypes(dtype):
+    with jax.enable_x64(True):
+        x = js.scaled_array([1.0, 3.0], 0.5, dtype=dtype)
+        assert js.asarray(x).dtype == dtype
+
+
+def test_asarray_with_explicit_dtype_casts_in_that_dtype():
+    x = js.scaled_array([1.0, 3.0], 2.0**-30, dtype=jnp.float16)
+    out = js.asarray(x, jnp.float16)
+    assert out.dtype == jnp.float16
+    np.testing.assert_array_equal(out, x.to_array())  # flushed, as to_array() in float16
+
+
+def test_asarray_of_a_mixed_tree():
+    plain16, step = jnp.ones(2, jnp.float16), jnp.int32(3)
+    tree = {
+        "h": js.scaled_array([3.0], 2.0**-30, dtype=jnp.float16),
+        "f": js.scaled_array([3.0], 2.0**-30),
+        "p": plain16,
+        "step": step,
+        "flag": True,
+    }
+    out = js.asarray(tree)
+    assert out["h"].dtype == jnp.float32 and float(out["h"][0]) == 3.0 * 2.0**-30
+    assert out["f"].dtype == jnp.float32 and float(out["f"][0]) == 3.0 * 2.0**-30
+    assert out["p"] is plain16 and out["step"] is step and out["flag"] is True
+
+
+def test_to_array_and_numpy_conversion_keep_the_data_dtype():
+    x = js.scaled_array([3.0], 2.0**-30, dtype=jnp.float16)
+    assert x.to_array().dtype == jnp.float16 and np.asarray(x).dtype == np.float16
+
+
 def test_tree_helpers_stop_at_scaled_arrays():
     tree = {"a": js.scaled_array(jnp.ones(2), 2.0), "b": jnp.zeros(3)}
     assert len(js.tree.tree_leaves(tree)) == 2

@@ -18,7 +18,7 @@ from jax import lax
 from jax.lax import linalg as lax_linalg
 
 from jax_scaled import _jax_internals as jxi
-from jax_scaled.array import ScaledArray, Value, asarray
+from jax_scaled.array import ScaledArray, Value, data_dtype_value
 from jax_scaled.engine.registry import register_scale_rule
 from jax_scaled.pow2.traced import floor_divide_exponent, pow2_exponent, pow2_from_exponent
 from jax_scaled.scales import align, as_scaled, make_scale, rescale, scale_f32
@@ -152,7 +152,7 @@ def ormqr_rule(a: Value, taus: Value, c: Value, **params) -> Value:
     """Exact in ``c``: ``Q (c * s) = (Q c) * s``, the scale of ``c`` is kept. ``Q`` is applied
     from the represented values of the reflectors ``a`` and ``taus`` (scale free: a
     reflector has an implicit unit leading entry)."""
-    reflectors, factors = asarray(a), asarray(taus)
+    reflectors, factors = data_dtype_value(a), data_dtype_value(taus)
     if not isinstance(c, ScaledArray):
         return lax_linalg.ormqr_p.bind(reflectors, factors, c, **params)
     return ScaledArray(lax_linalg.ormqr_p.bind(reflectors, factors, c.data, **params), c.scale)
@@ -162,7 +162,7 @@ def _on_value(primitive: jxi.Primitive, why: str) -> Callable:
     """A value-based rule: ``primitive`` bound on the represented values, outputs plain."""
 
     def rule(*args: Value, **params) -> Value:
-        return primitive.bind(*map(asarray, args), **params)
+        return primitive.bind(*map(data_dtype_value, args), **params)
 
     rule.__name__ = f"{primitive.name}_rule"
     rule.__doc__ = (
