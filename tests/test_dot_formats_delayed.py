@@ -14,25 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
+from test_dot_formats import E4M3, E5M2, FP8_RTOL, normal, rel_l2
 
 import jax_scaled as js
 from jax_scaled.nn.delayed_contraction import ContractionHistory
 from jax_scaled.ops import DelayedScaling
-
-E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
-FP8_RTOL = 0.1  # relative L2 error of FP8 results against float32 (E5M2 gradients: ~0.03-0.1)
-MATMUL = (((1,), (0,)), ((), ()))
-
-
-def normal(seed: int, shape, scale: float = 1.0, dtype=jnp.float32) -> jax.Array:
-    return (jax.random.normal(jax.random.key(seed), shape) * scale).astype(dtype)
-
-
-def rel_l2(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    if not np.all(np.isfinite(actual)):
-        return math.inf
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
 def delayed_scale64(history, dtype, margin: int = 0) -> float:
