@@ -197,10 +197,21 @@ def current_scale(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
         >>> [float(current_scale(jnp.array([v]), e4m3)) for v in (448.0, 449.0, 2.0**20)]
         [1.0, 2.0, 4096.0]
     """
+    return fitting_scale(lax.convert_element_type(jnp.max(jnp.abs(x)), F32), dtype)
+
+
+def fitting_scale(amax: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The smallest power of two ``2^k`` with ``amax / 2^k`` within ``dtype``'s finite range
+    (:func:`current_scale` of a value whose largest magnitude is the float32 ``amax``).
+
+    Example:
+        >>> from jax_scaled.nn.cast_contraction import fitting_scale
+        >>> float(fitting_scale(jnp.float32(449.0), jnp.dtype(jnp.float8_e4m3fn)))
+        2.0
+    """
     largest = float(ml_dtypes.finfo(dtype).max)  # = m * 2^top, m in [1, 2)
     top = static_pow2_exponent(static_pow2_round(largest))
-    amax = lax.convert_element_type(jnp.max(jnp.abs(x)), F32)
-    exponent = pow2_exponent(amax) - np.int32(top)  # max|x| / 2^exponent in [2^top, 2^(top+1))
+    exponent = pow2_exponent(amax) - np.int32(top)  # amax / 2^exponent in [2^top, 2^(top+1))
     too_large = amax > np.float32(largest) * pow2_from_exponent(exponent)
     return pow2_from_exponent(exponent + too_large.astype(jnp.int32))
 

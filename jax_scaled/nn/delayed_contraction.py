@@ -32,7 +32,7 @@ from jax_scaled.nn.cast_contraction import (
     CastFormats,
     Contraction,
     backward_contractions,
-    current_scale,
+    fitting_scale,
     has_float32_range,
     unscale,
 )
@@ -104,25 +104,26 @@ def delayed_contraction(
 
 
 def _forward(lhs, rhs, history, contraction: Contraction, formats: CastFormats, recipe) -> tuple:
-    lhs_q, lhs_scale = _quantize(lhs, formats.lhs, history.lhs, recipe)
-    rhs_q, rhs_scale = _quantize(rhs, formats.rhs, history.rhs, recipe)
+    seen = (_amax_of(lhs, formats.lhs), _amax_of(rhs, formats.rhs))
+    lhs_q, lhs_scale = _quantize(lhs, seen[0], formats.lhs, history.lhs, recipe)
+    rhs_q, rhs_scale = _quantize(rhs, seen[1], formats.rhs, history.rhs, recipe)
     out = contraction(lhs_q, rhs_q, formats.accumulation)
     out = unscale(out, (lhs_scale, rhs_scale), formats.output)
-    seen = (_amax_of(lhs, formats.lhs), _amax_of(rhs, formats.rhs))
     return out, ((lhs_q, rhs_q, lhs_scale, rhs_scale), seen, history)
 
 
 def _backward(contraction: Contraction, formats: CastFormats, recipe, residuals, cotangent):
     cast, (lhs_amax, rhs_amax), history = residuals
+    grad_amax = _amax_of(cotangent, formats.grad)
 
     def quantize(dtype: jnp.dtype | None) -> tuple:
-        return _quantize(cotangent, dtype, history.grad, recipe)
+        return _quantize(cotangent, grad_amax, dtype, history.grad, recipe)
 
     d_lhs, d_rhs = backward_contractions(contraction, formats, cast, quantize)
     next_history = ContractionHistory(
         _pushed(history.lhs, lhs_amax),
         _pushed(history.rhs, rhs_amax),
-        _pushed(history.grad, _amax_of(cotangent, formats.grad)),
+        _pushed(history.grad, grad_amax),
     )
     return d_lhs, d_rhs, next_history
 
@@ -140,43 +141,44 @@ def _pushed(history: jax.Array, value: jax.Array) -> jax.Array:
     return jnp.concatenate([value.astype(history.dtype)[None], history[:-1]])
 
 
-def _quantize(x: Any, dtype: jnp.dtype | None, history: jax.Array, recipe) -> tuple:
-    """``(x cast to dtype, its scale)``; the scale is None when ``x`` is not rescaled."""
+def _quantize(x: Any, amax: jax.Array, dtype: jnp.dtype | None, history, recipe) -> tuple:
+    """``(x cast to dtype, its scale)``; the scale is None when ``x`` is not rescaled.
+    ``amax``: the largest magnitude of ``x``'s value (reduced once, recorded too)."""
     if dtype is None:
         return x, None
     if has_float32_range(dtype):
         return x.astype(dtype), None
-    scale = delayed_scale(x, history, dtype, recipe)
+    scale = delayed_scale(x, amax, history, dtype, recipe)
     return _saturated(x.astype(compute_dtype(x.dtype)) / scale, dtype).astype(dtype), scale
 
 
-@functools.partial(custom_scale, static_argnums=(2, 3))
+@functools.partial(custom_scale, static_argnums=(3, 4))
 def delayed_scale(
-    x: jax.Array, history: jax.Array, dtype: jnp.dtype, recipe: DelayedScaling
+    x: jax.Array, amax: jax.Array, history: jax.Array, dtype: jnp.dtype, recipe: DelayedScaling
 ) -> jax.Array:
     """The power of two ``x`` is divided by before its cast to ``dtype``: from the amax
-    ``history`` (:meth:`~jax_scaled.ops.DelayedScaling.scale`), or current scaling's while
-    the history is empty. Under scalify, 1 for a ScaledArray ``x`` (its scale keeps it in
-    range).
+    ``history`` (:meth:`~jax_scaled.ops.DelayedScaling.scale`), or, while the history is
+    empty, current scaling's (from ``amax``, the largest magnitude of ``x``). Under
+    scalify, 1 for a ScaledArray ``x`` (its scale keeps it in range).
 
     Example:
         >>> from jax_scaled.nn.delayed_contraction import delayed_scale
         >>> from jax_scaled.ops import DelayedScaling
-        >>> e4m3, x = jnp.dtype(jnp.float8_e4m3fn), jnp.array([3.0])
-        >>> float(delayed_scale(x, jnp.array([900.0, 0.0]), e4m3, DelayedScaling(2)))
+        >>> e4m3, x, amax = jnp.dtype(jnp.float8_e4m3fn), jnp.array([3.0]), jnp.float32(3)
+        >>> float(delayed_scale(x, amax, jnp.array([900.0, 0.0]), e4m3, DelayedScaling(2)))
         4.0
-        >>> float(delayed_scale(x, jnp.zeros(2), e4m3, DelayedScaling(2)))  # current: 3 * 2^7
+        >>> float(delayed_scale(x, amax, jnp.zeros(2), e4m3, DelayedScaling(2)))  # 3 * 2^7
         0.0078125
     """
     state = DelayedScalingState(asarray(history).astype(jnp.float32))
-    return dataclasses.replace(recipe, dtype=dtype).scale(state, current_scale(x, dtype))
+    return dataclasses.replace(recipe, dtype=dtype).scale(state, fitting_scale(amax, dtype))
 
 
 @delayed_scale.defscale
-def _scaled_data_needs_no_scale(x: Any, history: Any, dtype, recipe) -> Any:
+def _scaled_data_needs_no_scale(x: Any, amax: Any, history: Any, dtype, recipe) -> Any:
     if isinstance(x, ScaledArray):
         return jnp.ones((), jnp.float32)
-    return delayed_scale.fun(x, history, dtype, recipe)
+    return delayed_scale.fun(x, asarray(amax), history, dtype, recipe)
 
 
 @functools.partial(custom_scale, static_argnums=(1,))
