@@ -136,9 +136,8 @@ def _amax_of(x: Any, dtype: jnp.dtype | None) -> jax.Array:
     return jnp.float32(0) if dtype is None else amax(x)
 
 
-def _pushed(history: jax.Array, value: jax.Array) -> jax.Array:
-    history = asarray(history)
-    return jnp.concatenate([value.astype(history.dtype)[None], history[:-1]])
+def _pushed(history: jax.Array, amax: jax.Array) -> jax.Array:
+    return DelayedScalingState(asarray(history)).pushed(amax).amax_history
 
 
 def _quantize(x: Any, amax: jax.Array, dtype: jnp.dtype | None, history, recipe) -> tuple:

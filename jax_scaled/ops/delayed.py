@@ -48,6 +48,18 @@ class DelayedScalingState(NamedTuple):
 
     amax_history: jax.Array
 
+    def pushed(self, amax: jax.Array) -> DelayedScalingState:
+        """The history with ``amax`` recorded first and the oldest entry dropped.
+
+        Example:
+            >>> from jax_scaled.ops import DelayedScalingState
+            >>> DelayedScalingState(jnp.array([2.0, 1.0])).pushed(jnp.float32(3)).amax_history
+            Array([3., 2.], dtype=float32)
+        """
+        history = self.amax_history
+        newest = amax.astype(history.dtype)[None]
+        return DelayedScalingState(jnp.concatenate([newest, history[:-1]]))
+
 
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling:
@@ -117,9 +129,7 @@ class DelayedScaling:
         """
         data, current_scale = get_data_and_scale(x)
         y = set_scaling(x, self.scale(state, fallback=current_scale))
-        current_amax = _amax(data, current_scale)
-        recorded = jnp.concatenate([current_amax[None], state.amax_history[:-1]])
-        return y, DelayedScalingState(recorded)
+        return y, state.pushed(_amax(data, current_scale))
 
     def scale(self, state: DelayedScalingState, fallback: jax.Array | float = 1.0) -> jax.Array:
         """The power-of-two scale :meth:`update` applies next (``fallback`` if no amax yet).
