@@ -139,8 +139,21 @@ class MatchingRule:
         self.matched.clear()
         self.seen.clear()
 
-    def unmatched(self) -> list:
-        return [key for key in self.keys if key not in self.matched]
+    def warn_unmatched(self, role: str) -> None:
+        """Warn, at the user's line, about the keys that matched no contraction."""
+        missing = [key for key in self.keys if key not in self.matched]
+        if missing:
+            warnings.warn(
+                self.unmatched_message(role, missing),
+                self.warning_class(role),
+                stacklevel=jxi.user_stacklevel(),
+            )
+
+    def unmatched_message(self, role: str, missing: list) -> str:
+        raise NotImplementedError
+
+    def warning_class(self, role: str) -> type[UserWarning]:
+        return UnmatchedRuleWarning
 
 
 class _PathRule(MatchingRule):
@@ -149,16 +162,12 @@ class _PathRule(MatchingRule):
     def matches(self, pattern: str, site: ContractionSite) -> bool:
         return re.fullmatch(pattern, site.module_path) is not None
 
-    def warn_unmatched(self, role: str) -> None:
-        missing = self.unmatched()
-        if missing:
-            seen = ", ".join(repr(p) for p in self.seen[:8]) or "none"
-            warnings.warn(
-                f"dot_formats: {role} module path patterns {missing} match no contraction of "
-                f"this function (re.fullmatch); its contractions' module paths: {seen}.",
-                UnmatchedRuleWarning,
-                stacklevel=jxi.user_stacklevel(),
-            )
+    def unmatched_message(self, role: str, missing: list) -> str:
+        seen = ", ".join(repr(p) for p in self.seen[:8]) or "none"
+        return (
+            f"dot_formats: {role} module path patterns {missing} match no contraction of "
+            f"this function (re.fullmatch); its contractions' module paths: {seen}."
+        )
 
 
 class _ShapeRule(MatchingRule):
@@ -167,16 +176,14 @@ class _ShapeRule(MatchingRule):
     def matches(self, shape: Shape, site: ContractionSite) -> bool:
         return shape in (tuple(site.lhs.shape), tuple(site.rhs.shape))
 
-    def warn_unmatched(self, role: str) -> None:
-        missing = self.unmatched()
-        if missing:
-            warnings.warn(
-                f"dot_formats: {role} shapes {missing} match no operand of a contraction of "
-                "this function (check the shape: operands are matched as written, e.g. "
-                "(d_model, vocab)).",
-                UnmatchedExcludeWarning if role == "exclude" else UnmatchedRuleWarning,
-                stacklevel=jxi.user_stacklevel(),
-            )
+    def unmatched_message(self, role: str, missing: list) -> str:
+        return (
+            f"dot_formats: {role} shapes {missing} match no operand of a contraction of this "
+            "function (check the shape: operands are matched as written, e.g. (d_model, vocab))."
+        )
+
+    def warning_class(self, role: str) -> type[UserWarning]:
+        return UnmatchedExcludeWarning if role == "exclude" else UnmatchedRuleWarning
 
 
 def _checked_shape(shape: Any, role: str = "exclude") -> Shape:
