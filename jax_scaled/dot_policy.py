@@ -233,7 +233,7 @@ class _Policy:
         pairs = [("include", self.include), ("exclude", self.exclude)]
         return [(role, r) for role, r in pairs if isinstance(r, MatchingRule)]
 
-    def formats(self, eqn: jxi.JaxprEqn, site: ContractionSite) -> CastFormats | None:
+    def formats(self, site: ContractionSite) -> CastFormats | None:
         """The casts of this contraction, or None to leave it as it is."""
         dtypes = (site.lhs.dtype, site.rhs.dtype, site.out.dtype)
         if not all(jnp.issubdtype(d, jnp.floating) for d in dtypes):
@@ -296,7 +296,7 @@ def _evaluate_eqn(
 ) -> list:
     if eqn.primitive in _CONTRACTIONS:
         site = site_of(eqn, *invals)
-        formats = policy.formats(eqn, site)
+        formats = policy.formats(site)
         if formats is not None:
             out = _contraction(eqn, invals, formats, site, policy, book)
             return [jxi.with_weak_type(out) if eqn.outvars[0].aval.weak_type else out]
