@@ -8,8 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from jax_scaled.engine.promotion import zero_factor_scale
 from jax_scaled.pow2.static import is_pow2, static_pow2_round
 from jax_scaled.pow2.traced import (
+    pow2_exponent,
     pow2_reciprocal,
     pow2_round,
     pow2_round_positive,
@@ -125,3 +127,52 @@ def test_rounded_sqrt_matches_rounding_the_sqrt(value):
 @pytest.mark.parametrize("exponent", [-126, -60, 0, 60, 126])
 def test_pow2_reciprocal_is_exact(exponent):
     assert float(pow2_reciprocal(jnp.float32(2.0**exponent))) == 2.0**-exponent
+
+
+def _edge_patterns() -> np.ndarray:
+    """float32 bit patterns at every exponent field: mantissas at the rounding thresholds
+    (zero, one ulp, float32's sqrt(2) and one below, all ones), both signs, NaNs included."""
+    fields = np.arange(256, dtype=np.uint32) << 23
+    sqrt2 = np.float32(np.sqrt(2.0)).view(np.uint32) & np.uint32(0x7FFFFF)
+    mantissas = np.array([0, 1, sqrt2 - 1, sqrt2, 0x7FFFFF], np.uint32)
+    patterns = (fields[:, None] | mantissas[None, :]).ravel()
+    return np.concatenate([patterns, patterns | np.uint32(0x80000000)])
+
+
+def _reference_exponent(value: np.float32, rounding: str) -> int:
+    """The exponent :func:`pow2_exponent` documents, from float64 arithmetic: ``floor(log2
+    |x|)`` moved up for "up" (unless a power of two) and "nearest" (at or past float32's
+    sqrt(2)); -126 for zeros and subnormals, 0 for infinities and NaNs; clamped to float32's
+    normal range."""
+    magnitude = abs(float(value))
+    if not np.isfinite(magnitude):
+        return 0
+    if magnitude < 2.0**-126:
+        return -126
+    mantissa, exponent = np.frexp(magnitude)  # magnitude = mantissa * 2^exponent, [0.5, 1)
+    exponent -= 1
+    if rounding == "up" and mantissa != 0.5:
+        exponent += 1
+    if rounding == "nearest" and 2 * mantissa >= float(np.float32(np.sqrt(2.0))):
+        exponent += 1
+    return min(exponent, 127)
+
+
+@pytest.mark.parametrize("rounding", ["down", "up", "nearest"])
+def test_exponent_and_round_at_every_exponent_field(rounding):
+    values = _edge_patterns().view(np.float32)
+    exponents = np.asarray(jax.jit(pow2_exponent, static_argnums=1)(values, rounding))
+    rounded = np.asarray(jax.jit(pow2_round, static_argnums=1)(values, rounding))
+    for value, exponent, power in zip(values, exponents, rounded, strict=True):
+        expected = _reference_exponent(value, rounding)
+        assert exponent == expected, (hex(value.view(np.uint32)), rounding)
+        no_scale = value == 0 or not np.isfinite(value)  # zeros and non-finite round to 1
+        assert power == (1.0 if no_scale else 2.0**expected), hex(value.view(np.uint32))
+
+
+def test_zero_factor_scale_at_every_exponent_field():
+    values = _edge_patterns().view(np.float32)
+    got = np.asarray(jax.jit(jax.vmap(zero_factor_scale))(values))
+    for value, scale in zip(values, got, strict=True):
+        expected = 2.0 ** min(max(-126 - _reference_exponent(value, "down"), -126), 0)
+        assert scale == expected, hex(value.view(np.uint32))

@@ -24,12 +24,13 @@ from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine.facts import Slot
 from jax_scaled.memo import memoized
 from jax_scaled.pow2.static import (
+    EXPONENT_BIAS,
     EXPONENT_FIELD,
-    MIN_SCALE_EXPONENT,
+    MANTISSA_BITS,
     static_pow2_bits,
     static_pow2_split,
 )
-from jax_scaled.pow2.traced import as_float32, pow2_exponent, pow2_from_exponent
+from jax_scaled.pow2.traced import as_float32, biased_exponent
 
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
@@ -81,11 +82,14 @@ def zero_factor_scale(other_scale: jax.Array) -> jax.Array:
         with np.errstate(divide="ignore"):
             scale = _SMALLEST_NORMAL / other_scale.astype(np.float32)
         return np.clip(scale, _SMALLEST_NORMAL, 1.0).astype(other_scale.dtype)
-    # 2^-126 / 2^e = 2^(-126 - e), from the exponent: a float division would be a kernel
-    # of its own in XLA:CPU, once for every promoted operand.
-    exponent = lax.sub(np.int32(MIN_SCALE_EXPONENT), pow2_exponent(other_scale))
-    exponent = lax.clamp(np.int32(MIN_SCALE_EXPONENT), exponent, np.int32(0))
-    return pow2_from_exponent(exponent, clamp=False).astype(other_scale.dtype)
+    # 2^-126 / 2^e = 2^(-126 - e), on the biased exponent fields (b = e + 127, so the
+    # quotient's is 128 - b), clamped to [2^-126, 1]: zeros and subnormals (b = 0) give 1,
+    # infinities (b = 255) 2^-126. A float division would be a kernel of its own in XLA:CPU,
+    # once for every promoted operand.
+    biased = lax.bitwise_and(biased_exponent(other_scale), np.int32(0xFF))  # sign bit off
+    quotient = lax.clamp(np.int32(1), lax.sub(np.int32(128), biased), np.int32(EXPONENT_BIAS))
+    power = lax.shift_left(quotient, np.int32(MANTISSA_BITS))
+    return lax.bitcast_convert_type(power, jnp.float32).astype(other_scale.dtype)
 
 
 def split_scalar(base: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

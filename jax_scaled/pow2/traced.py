@@ -31,10 +31,6 @@ from jax_scaled.pow2.static import (
 )
 
 
-def _bits(x: jnp.ndarray) -> jnp.ndarray:
-    return lax.bitcast_convert_type(lax.convert_element_type(x, jnp.float32), jnp.uint32)
-
-
 def as_float32(x) -> jax.Array | np.ndarray:
     """``x`` as float32: a jax array (or tracer) is converted only if it has another dtype;
     a numpy or Python value becomes a numpy float32 array, which a ``lax`` operation stages
@@ -113,25 +109,15 @@ def pow2_exponent(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
         >>> int(pow2_exponent(jnp.float32(3.0), "up"))
         2
     """
-    rounding = Rounding(rounding)
-    # lax operations, not jax.numpy operators: scale rules call this on every traced scale,
-    # and each jax.numpy operator costs a nested trace.
-    bits = _bits(x)
-    biased = lax.convert_element_type(
-        lax.bitwise_and(lax.shift_right_logical(bits, np.uint32(MANTISSA_BITS)), np.uint32(0xFF)),
-        jnp.int32,
+    magnitude = _magnitude_bits(x)
+    rounded = _rounded_up_bits(magnitude, rounding)
+    biased = lax.shift_right_logical(rounded, np.int32(MANTISSA_BITS))
+    exponent = lax.clamp(
+        np.int32(MIN_SCALE_EXPONENT),
+        lax.sub(biased, np.int32(EXPONENT_BIAS)),
+        np.int32(MAX_SCALE_EXPONENT),
     )
-    mantissa_bits = lax.bitwise_and(bits, np.uint32((1 << MANTISSA_BITS) - 1))
-    exponent = lax.sub(biased, np.int32(EXPONENT_BIAS))
-    if rounding is Rounding.UP:
-        round_up = lax.ne(mantissa_bits, np.uint32(0))
-    elif rounding is Rounding.NEAREST:
-        round_up = lax.ge(mantissa_bits, np.uint32(SQRT2_MANTISSA_BITS))
-    if rounding is not Rounding.DOWN:
-        exponent = lax.add(exponent, lax.convert_element_type(round_up, jnp.int32))
-    exponent = _select(lax.eq(biased, np.int32(0)), MIN_SCALE_EXPONENT, exponent)
-    exponent = _select(lax.eq(biased, np.int32(0xFF)), 0, exponent)
-    return lax.clamp(np.int32(MIN_SCALE_EXPONENT), exponent, np.int32(MAX_SCALE_EXPONENT))
+    return _select(_not_finite(magnitude), 0, exponent)
 
 
 def pow2_round(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
@@ -145,14 +131,37 @@ def pow2_round(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
         >>> float(pow2_round(jnp.float32(0.3), "up"))
         0.5
     """
-    x = jnp.asarray(x)
-    scale = pow2_from_exponent(pow2_exponent(x, rounding))
-    # A bit test: subnormals compare equal to 0 on CPU.
-    magnitude_bits = lax.bitwise_and(_bits(x), np.uint32(0x7FFFFFFF))
-    finite_nonzero = lax.bitwise_and(
-        lax.ne(magnitude_bits, np.uint32(0)), lax.lt(magnitude_bits, EXPONENT_FIELD)
-    )
-    return _select(finite_nonzero, scale, 1)
+    magnitude = _magnitude_bits(x)
+    field = lax.bitwise_and(_rounded_up_bits(magnitude, rounding), _EXPONENT_FIELD_INT)
+    # Subnormals and zeros get 2^-126, a rounding past 2^127 gets 2^127: one clamp.
+    field = lax.clamp(_SMALLEST_NORMAL_BITS, field, _LARGEST_POW2_BITS)
+    no_scale = lax.bitwise_or(lax.eq(magnitude, np.int32(0)), _not_finite(magnitude))
+    return _select(no_scale, 1, lax.bitcast_convert_type(field, jnp.float32))
+
+
+# Integer (int32) forms of float32 bit patterns for the functions above: the exponent field,
+# 2^-126's and 2^127's patterns.
+_EXPONENT_FIELD_INT = np.int32(EXPONENT_FIELD)
+_SMALLEST_NORMAL_BITS = np.int32((MIN_SCALE_EXPONENT + EXPONENT_BIAS) << MANTISSA_BITS)
+_LARGEST_POW2_BITS = np.int32((MAX_SCALE_EXPONENT + EXPONENT_BIAS) << MANTISSA_BITS)
+
+
+def _magnitude_bits(x) -> jnp.ndarray:
+    """The bits of ``|x|`` as float32, as a non-negative int32."""
+    bits = lax.bitcast_convert_type(lax.convert_element_type(x, jnp.float32), jnp.int32)
+    return lax.bitwise_and(bits, np.int32(0x7FFFFFFF))
+
+
+def _rounded_up_bits(magnitude: jnp.ndarray, rounding: Rounding | str) -> jnp.ndarray:
+    """``magnitude`` (finite float32 bits) plus the offset that carries a mantissa at or past
+    ``rounding``'s threshold into the exponent field: the field is then the rounded exponent's.
+    Non-finite patterns wrap around; callers select them out."""
+    offset = _ROUNDING_OFFSET[Rounding(rounding)]
+    return lax.add(magnitude, np.int32(offset)) if offset else magnitude
+
+
+def _not_finite(magnitude: jnp.ndarray) -> jnp.ndarray:
+    return lax.ge(magnitude, _EXPONENT_FIELD_INT)
 
 
 def _select(condition: jnp.ndarray, on_true, on_false) -> jnp.ndarray:
