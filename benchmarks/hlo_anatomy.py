@@ -1,0 +1,187 @@
+"""Where a compiled train step's HLO instructions go: the anatomy behind model_scale's counts.
+
+    python benchmarks/hlo_anatomy.py                      # fp32 and fp16_scalify, 1 layer
+    python benchmarks/hlo_anatomy.py --configs fp8_policy_scalify --layers 2 --lines 15
+
+For each configuration of ``benchmarks/model_scale.py`` (the Table 3 GPT's train step, built
+the same way), the optimised HLO module is split into:
+
+* *tensor ops*: instructions with an array result (the data computation);
+* *scalar ops in tensor kernels*: 0-d instructions inside a computation that also computes
+  arrays: scale arithmetic XLA copied into a data kernel;
+* *scalar kernels*: 0-d instructions of computations with no array instruction (scale
+  arithmetic compiled on its own);
+* *plumbing*: parameters and constants of every computation (what each kernel costs before
+  it computes anything).
+
+Then the most frequent scalar opcodes, and the user source lines (from the HLO's stack-frame
+metadata) whose equations compiled to the most instructions. Equations scalify adds outside
+any user equation (operand promotion, shared scales computed once, output scales) carry the
+line that lowered the step, listed as ``(scalify's own)``; ``(none)`` is what has no
+metadata (parameters, constants, kernel calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import pathlib
+import re
+import sys
+from collections.abc import Sequence
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import model_scale as ms  # noqa: E402
+
+KINDS = ("tensor ops", "scalar ops in tensor kernels", "scalar kernels", "plumbing")
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
+_RESULT = re.compile(r"= \(?(\w+)\[([^\]]*)\]\S* ([\w\-]+)\(")
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+
+
+@dataclasses.dataclass
+class Anatomy:
+    """Instruction counts of one HLO module by kind, scalar opcode and user source line."""
+
+    computations: int = 0
+    kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    scalar_opcodes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    lines: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def total(self) -> int:
+        return sum(self.kinds.values())
+
+
+def _instructions(hlo_text: str) -> dict[str, list[str]]:
+    """The instruction lines of each computation of an HLO module's text."""
+    computations: dict[str, list[str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and " = " not in line.split("{")[0]:
+            current = computations.setdefault(header.group(2), [])
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and " = " in line:
+            current.append(line)
+    return computations
+
+
+def _source_lines(hlo_text: str) -> dict[int, str]:
+    """``stack_frame_id -> "file:line"`` of the innermost frame, from the module's tables."""
+    tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
+    section = None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = line
+        elif not line.strip():
+            section = None
+        elif section:
+            key, value = line.split(" ", 1)
+            tables[section][int(key)] = value
+    files = {k: v.strip('"').rsplit("/", 1)[-1] for k, v in tables["FileNames"].items()}
+    locations = {}
+    for key, value in tables["FileLocations"].items():
+        fields = dict(re.findall(r"(\w+)=(\d+)", value))
+        file = files[int(fields["file_name_id"])]
+        own = file == pathlib.Path(__file__).name  # the line lowering the step
+        locations[key] = "(scalify's own)" if own else f"{file}:{fields['line']}"
+    return {
+        key: locations[int(re.search(r"file_location_id=(\d+)", value).group(1))]
+        for key, value in tables["StackFrames"].items()
+    }
+
+
+def anatomy(hlo_text: str) -> Anatomy:
+    """The :class:`Anatomy` of an optimised HLO module's text.
+
+    Example:
+        >>> text = '''HloModule m
+        ... %fused (p: f32[]) -> f32[4] {
+        ...   %p = f32[] parameter(0)
+        ...   %m = f32[] multiply(%p, %p)
+        ...   ROOT %b = f32[4]{0} broadcast(%m), dimensions={}
+        ... }
+        ... '''
+        >>> a = anatomy(text)
+        >>> a.total, a.kinds["plumbing"], a.kinds["scalar ops in tensor kernels"], a.computations
+        (3, 1, 1, 1)
+    """
+    frames = _source_lines(hlo_text)
+    result = Anatomy()
+    for lines in _instructions(hlo_text).values():
+        result.computations += 1
+        parsed = [(line, _RESULT.search(line)) for line in lines]
+        has_tensor = any(m and m.group(2) and m.group(3) not in ("parameter", "constant")
+                         for _, m in parsed)  # fmt: skip
+        for line, match in parsed:
+            opcode = match.group(3) if match else "tuple"
+            if opcode in ("parameter", "constant"):
+                kind = "plumbing"
+            elif match and match.group(2):
+                kind = "tensor ops"
+            else:
+                kind = "scalar ops in tensor kernels" if has_tensor else "scalar kernels"
+                result.scalar_opcodes[opcode] += 1
+            result.kinds[kind] += 1
+            frame = _FRAME.search(line)
+            result.lines[frames.get(int(frame.group(1)), "?") if frame else "(none)"] += 1
+    return result
+
+
+def report(name: str, layers: int, layout: str, found: Anatomy, lines: int) -> list[str]:
+    """Markdown lines describing ``found``."""
+    total = found.total
+    out = [f"### {name}, {layers} layer(s), {layout}: {total:,} HLO instructions, "
+           f"{found.computations} computations", "", "| kind | instructions | share |",
+           "| --- | --- | --- |"]  # fmt: skip
+    out += [f"| {k} | {found.kinds[k]:,} | {found.kinds[k] / total:.0%} |" for k in KINDS]
+    opcodes = ", ".join(f"{op} {n:,}" for op, n in found.scalar_opcodes.most_common(10))
+    out += [
+        "",
+        f"Scalar opcodes: {opcodes}.",
+        "",
+        "| source line | instructions |",
+        "| --- | --- |",
+    ]
+    out += [f"| {where} | {n:,} |" for where, n in found.lines.most_common(lines)]
+    return out + [""]
+
+
+def compiled_step_text(name: str, size, layout: str, params, batch) -> str:
+    """The optimised HLO text of configuration ``name``'s train step (``model_scale.build``),
+    lowered here, so that scalify's own equations carry this file's line."""
+    runner = ms.build(name, size, layout, params)
+    return runner.step.lower(*runner.state, *batch).compile().as_text()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", default="fp32,fp16_scalify")
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--layout", default="unrolled", choices=("unrolled", "scan"))
+    parser.add_argument("--lines", type=int, default=10, help="source lines to list")
+    args = parser.parse_args(argv)
+    args.configs = args.configs.split(",")
+    unknown = sorted(set(args.configs) - set(ms.PRECISIONS))
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; known: {sorted(ms.PRECISIONS)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    size = dataclasses.replace(ms.SIZE, layers=args.layers)
+    params = ms.init_params(size.model_config(ms.VOCAB), args.layout, 0)
+    batch = ms.batch_of(size)
+    for name in args.configs:
+        text = compiled_step_text(name, size, args.layout, params, batch)
+        print("\n".join(report(name, args.layers, args.layout, anatomy(text), args.lines)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

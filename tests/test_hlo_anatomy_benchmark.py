@@ -1,0 +1,42 @@
+"""Smoke test of ``benchmarks/hlo_anatomy.py`` on a tiny GPT: its kinds add up to the module's
+instruction count (as ``model_scale`` counts them), and a scalified step has scale
+arithmetic where the plain one has almost none."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers import load_benchmark
+
+pytest.importorskip("flax")
+
+ms = load_benchmark("model_scale")
+hlo_anatomy = load_benchmark("hlo_anatomy")
+TINY = dataclasses.replace(ms.SIZE, width=16, heads=2, context=8, batch_size=2, layers=1)
+
+
+def _compiled_text(name: str) -> str:
+    params = ms.init_params(TINY.model_config(ms.VOCAB), "unrolled", 0)
+    return hlo_anatomy.compiled_step_text(name, TINY, "unrolled", params, ms.batch_of(TINY))
+
+
+def test_kinds_add_up_and_lines_are_attributed():
+    texts = [_compiled_text(name) for name in ("fp32", "fp16_scalify")]
+    plain, scaled = (hlo_anatomy.anatomy(text) for text in texts)
+    for text, found in zip(texts, (plain, scaled), strict=True):
+        assert found.total == ms.hlo_instructions(text) == sum(found.lines.values())
+        assert set(found.kinds) <= set(hlo_anatomy.KINDS)
+    scalar = ("scalar ops in tensor kernels", "scalar kernels")
+    assert sum(scaled.kinds[k] for k in scalar) > 2 * sum(plain.kinds[k] for k in scalar)
+    assert any(where.startswith("gpt.py:") for where in scaled.lines)
+    assert "(scalify's own)" in scaled.lines and "(scalify's own)" not in plain.lines
+    table = hlo_anatomy.report("fp16_scalify", 1, "unrolled", scaled, lines=3)
+    assert table[0].startswith("### fp16_scalify, 1 layer(s), unrolled:")
+    assert table[-5] == "| --- | --- |" and table[-1] == ""
+    assert all(line.startswith("| ") for line in table[-4:-1])  # the 3 source lines
+
+
+def test_unknown_config_is_an_error():
+    with pytest.raises(SystemExit):
+        hlo_anatomy.parse_args(["--configs", "fp64"])
