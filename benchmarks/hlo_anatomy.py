@@ -6,11 +6,12 @@
 For each configuration of ``benchmarks/model_scale.py`` (the Table 3 GPT's train step, built
 the same way), the optimised HLO module is split into:
 
-* *tensor ops*: instructions with an array result (the data computation);
+* *tensor ops*: instructions with an array result (the data computation) in the kernels;
 * *scalar ops in tensor kernels*: 0-d instructions inside a computation that also computes
   arrays: scale arithmetic XLA copied into a data kernel;
-* *scalar kernels*: 0-d instructions of computations with no array instruction (scale
-  arithmetic compiled on its own);
+* *scalar-only computations*: 0-d instructions of computations with no array instruction:
+  scale arithmetic compiled on its own, and the bodies of reductions;
+* *entry*: the entry computation's own instructions (kernel calls, copies, tuples);
 * *plumbing*: parameters and constants of every computation (what each kernel costs before
   it computes anything).
 
@@ -35,7 +36,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import model_scale as ms  # noqa: E402
 
-KINDS = ("tensor ops", "scalar ops in tensor kernels", "scalar kernels", "plumbing")
+KINDS = ("tensor ops", "scalar ops in tensor kernels", "scalar-only computations", "entry",
+         "plumbing")  # fmt: skip
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 _RESULT = re.compile(r"= \(?(\w+)\[([^\]]*)\]\S* ([\w\-]+)\(")
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
@@ -55,14 +57,15 @@ class Anatomy:
         return sum(self.kinds.values())
 
 
-def _instructions(hlo_text: str) -> dict[str, list[str]]:
-    """The instruction lines of each computation of an HLO module's text."""
-    computations: dict[str, list[str]] = {}
+def _instructions(hlo_text: str) -> dict[tuple[bool, str], list[str]]:
+    """The instruction lines of each computation of an HLO module's text, keyed by
+    ``(is_entry, name)``."""
+    computations: dict[tuple[bool, str], list[str]] = {}
     current = None
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header and " = " not in line.split("{")[0]:
-            current = computations.setdefault(header.group(2), [])
+            current = computations.setdefault((bool(header.group(1)), header.group(2)), [])
         elif line.startswith("}"):
             current = None
         elif current is not None and " = " in line:
@@ -112,7 +115,7 @@ def anatomy(hlo_text: str) -> Anatomy:
     """
     frames = _source_lines(hlo_text)
     result = Anatomy()
-    for lines in _instructions(hlo_text).values():
+    for (is_entry, _), lines in _instructions(hlo_text).items():
         result.computations += 1
         parsed = [(line, _RESULT.search(line)) for line in lines]
         has_tensor = any(m and m.group(2) and m.group(3) not in ("parameter", "constant")
@@ -121,10 +124,12 @@ def anatomy(hlo_text: str) -> Anatomy:
             opcode = match.group(3) if match else "tuple"
             if opcode in ("parameter", "constant"):
                 kind = "plumbing"
+            elif is_entry:
+                kind = "entry"
             elif match and match.group(2):
                 kind = "tensor ops"
             else:
-                kind = "scalar ops in tensor kernels" if has_tensor else "scalar kernels"
+                kind = "scalar ops in tensor kernels" if has_tensor else "scalar-only computations"
                 result.scalar_opcodes[opcode] += 1
             result.kinds[kind] += 1
             frame = _FRAME.search(line)

@@ -26,8 +26,8 @@ def test_kinds_add_up_and_lines_are_attributed():
     plain, scaled = (hlo_anatomy.anatomy(text) for text in texts)
     for text, found in zip(texts, (plain, scaled), strict=True):
         assert found.total == ms.hlo_instructions(text) == sum(found.lines.values())
-        assert set(found.kinds) <= set(hlo_anatomy.KINDS)
-    scalar = ("scalar ops in tensor kernels", "scalar kernels")
+        assert set(found.kinds) <= set(hlo_anatomy.KINDS) and found.kinds["entry"] > 0
+    scalar = ("scalar ops in tensor kernels", "scalar-only computations")
     assert sum(scaled.kinds[k] for k in scalar) > 2 * sum(plain.kinds[k] for k in scalar)
     assert any(where.startswith("gpt.py:") for where in scaled.lines)
     assert "(scalify's own)" in scaled.lines and "(scalify's own)" not in plain.lines
