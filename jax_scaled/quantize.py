@@ -68,18 +68,23 @@ from jax_scaled.formats import (
     preset_names,
     storage_dtype,
 )
-from jax_scaled.pow2.static import EXPONENT_BIAS, MANTISSA_BITS
+from jax_scaled.pow2.static import EXPONENT_BIAS, EXPONENT_FIELD, MANTISSA_BITS
 from jax_scaled.pow2.traced import (
     biased_exponent,
     pow2_exponent,
     pow2_from_exponent,
     pow2_ratio,
-    pow2_split,
+    pow2_reciprocal,
 )
 from jax_scaled.primitives import stop_scaling
 from jax_scaled.scales import centre_exponent, top_of_format
 
 _MANTISSA_MASK = np.uint32((1 << MANTISSA_BITS) - 1)
+# int32 forms of float32 bit fields, for _divide.
+_EXPONENT_FIELD = np.int32(EXPONENT_FIELD)
+_MANTISSA_FIELD = np.int32(_MANTISSA_MASK)
+_SIGN_BIT = np.int32(-(2**31))
+_MANTISSA_BITS_IN_FIELD = np.int32(MANTISSA_BITS << MANTISSA_BITS)  # 2^-23 as an exponent shift
 
 
 def quantize(
@@ -353,15 +358,30 @@ def _mantissa_field(x: jax.Array) -> jax.Array:
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _to_elements(value: jax.Array, scale: jax.Array, element_dtype: np.dtype) -> jax.Array:
     """``value / scale`` (block scales) rounded to the element format, saturating."""
-    return round_to_format(_divide(value, expand_scale(scale, value.shape)), element_dtype)
+    return round_to_format(_divide(value, scale), element_dtype)
 
 
 def _divide(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x / scale`` for powers of two ``scale``, exact for float32-subnormal ``x`` too (XLA's
-    CPU backend flushes them in float arithmetic): ``x``'s mantissa times a ratio of powers
-    of two (a quotient below float32's normal range gives 0, as the format would)."""
-    mantissa, own = pow2_split(x)
-    return mantissa * pow2_ratio(own, scale)
+    """``x / scale`` for float32 ``x`` and the block scales of :func:`block_scales`, powers of
+    two in ``[2^-126, 2^126]`` (a format's top is at least 4, and no amax reaches 2^128).
+
+    ``x`` times the reciprocal of its scale, exact; a float32-subnormal ``x``, which XLA's
+    CPU backend flushes to zero in float arithmetic, as ``2^126 x`` (its integer mantissa
+    times ``2^-23``, a normal number) times ``2^-126 / scale``. A quotient below float32's
+    normal range is flushed where the platform flushes subnormals: below the smallest value
+    of every 8- and 16-bit format but bfloat16. Both factors are worked out per block,
+    before they are expanded onto the elements.
+    """
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    subnormal = lax.eq(lax.bitwise_and(bits, _EXPONENT_FIELD), np.int32(0))  # zeros too
+    mantissa = lax.convert_element_type(lax.bitwise_and(bits, _MANTISSA_FIELD), jnp.float32)
+    # Times 2^-23 on the exponent field (0 stays 0): XLA would fold a multiplication by the
+    # constant into the block factor, a product that is itself subnormal.
+    unit = lax.sub(lax.bitcast_convert_type(mantissa, jnp.int32), _MANTISSA_BITS_IN_FIELD)
+    raised = lax.bitwise_or(lax.max(unit, np.int32(0)), lax.bitwise_and(bits, _SIGN_BIT))
+    below_normal = expand_scale(pow2_ratio(np.float32(2.0**-126), scale), x.shape)
+    from_subnormal = lax.mul(lax.bitcast_convert_type(raised, jnp.float32), below_normal)
+    return lax.select(subnormal, from_subnormal, x * expand_scale(pow2_reciprocal(scale), x.shape))
 
 
 @_to_elements.defjvp

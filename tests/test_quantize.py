@@ -16,7 +16,7 @@ from hypothesis.extra import numpy as hnp
 
 import jax_scaled as js
 from jax_scaled.formats import storage_dtype
-from jax_scaled.quantize import tracing_for_scalify
+from jax_scaled.quantize import _divide, tracing_for_scalify
 
 ELEMENTS = [f.element_dtype for f in js.formats.MX_FORMATS]
 ROUNDINGS = ["floor", "rceil"]
@@ -148,6 +148,29 @@ def test_narrow_inputs_are_quantized_from_their_value(dtype):
     x = np.random.default_rng(0).standard_normal((8, 64)).astype(dtype)
     q = js.quantize(x, jnp.float8_e4m3fn, block_shape=(1, 32))
     assert_matches_reference(q, x.astype(np.float32), jnp.float8_e4m3fn, (1, 32), "floor")
+
+
+def test_division_by_block_scales_is_exact_at_every_exponent_field():
+    """The division inside quantize, ``x / 2^k``, for every float32 exponent field of ``x``
+    (zeros, subnormals, infinities and NaNs included) at four mantissas and both signs, and
+    every block scale ``2^k`` that :func:`block_scales` can give: the float64 quotient; one
+    below float32's normal range may also be flushed to zero of its sign (XLA's CPU backend
+    flushes subnormal results)."""
+    fields = np.arange(256, dtype=np.uint32) << np.uint32(23)
+    mantissas = np.array([0, 1, 0x400000, 0x7FFFFF], np.uint32)
+    signs = np.array([0, 1 << 31], np.uint32)
+    bits = (signs[:, None, None] | fields[None, :, None] | mantissas[None, None, :]).ravel()
+    x = np.broadcast_to(bits.view(np.float32), (253, bits.size))
+    scale = np.exp2(np.arange(-126, 127, dtype=np.float32))[:, None]
+    got = np.asarray(jax.jit(_divide)(x, scale))
+    quotient = x.astype(np.float64) / scale.astype(np.float64)
+    expected = quotient.astype(np.float32)
+    nan = np.isnan(quotient)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    exact = got.view(np.uint32) == expected.view(np.uint32)
+    flushed = (got == 0) & (np.signbit(got) == np.signbit(quotient))
+    below_normal = np.abs(quotient) < 2.0**-126
+    assert np.all(nan | exact | (below_normal & flushed))
 
 
 # -- scale roundings, zeros and non-finite values ---------------------------------------------
