@@ -15,6 +15,7 @@ from helpers import assert_close, assert_pow2_scales, check_e8m0_matches, refere
 from jax import lax
 
 import jax_scaled as js
+from jax_scaled import _jax_internals as jax_internals
 from jax_scaled.rules.higher_order import control_flow
 
 RTOL = 1e-5
@@ -281,6 +282,42 @@ def test_per_step_scales_reach_a_consuming_scan_unrounded():
     x, w = scaled16(normal(23, (N,)), 0), scaled16(jnp.float32(1.0), 20)
     out = jax.jit(js.scalify(fn))(x, w)
     assert_close(out, reference64(fn, x, w), jnp.float16, ulps=2)  # elementwise, every row
+
+
+def _scan_eqns(jaxpr) -> list:
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is lax.scan_p:
+            found.append(eqn)
+        for sub in jax_internals.eqn_subjaxprs(eqn):
+            found += _scan_eqns(sub)
+    return found
+
+
+def test_fp8_rows_of_a_scan_are_stacked_as_bytes_and_read_back_exactly():
+    """``grad`` of a scan over FP8 layers (``dot_formats``): the forward scan stacks its FP8
+    residuals as bytes (XLA:CPU widens an 8-bit float stack to float16 and back to write each
+    row), and the gradients are the unrolled loop's."""
+
+    def layers(ws, x, scan):
+        if scan:
+            h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        else:
+            h = x
+            for i in range(ws.shape[0]):
+                h = jnp.tanh(h @ ws[i])
+        return jnp.sum(h.astype(jnp.float32) ** 2)
+
+    ws, x = scaled16(normal(60, (3, 64, 64), 0.125), -4), scaled16(normal(61, (32, 64)), 6)
+    grads = {
+        scan: jax.jit(js.scalify(jax.grad(js.dot_formats(functools.partial(layers, scan=scan)))))
+        for scan in (False, True)
+    }
+    np.testing.assert_array_equal(value64(grads[True](ws, x)), value64(grads[False](ws, x)))
+    jaxpr = jax.make_jaxpr(grads[True])(ws, x).jaxpr
+    stacked = [v.aval.dtype for eqn in _scan_eqns(jaxpr) for v in eqn.outvars]
+    assert jnp.dtype(jnp.uint8) in stacked
+    assert not any(jnp.issubdtype(d, jnp.floating) and jnp.finfo(d).bits == 8 for d in stacked)
 
 
 def test_nested_loops_invariance():

@@ -18,6 +18,7 @@ program keeps its structure, only the representation of its values changes.
   the result is brought to the largest one (one rescale of the stacked data). A later scan
   that reads such an output as ``xs`` uses the per-iteration scales directly, so under
   ``jit`` the rescale is dead code there (the usual case: residuals of ``grad`` of a scan).
+  8-bit float data is stacked as its bytes, which XLA writes in place.
 * **Branches** (cond, switch): interpreted separately; where they disagree on an output, the
   plain ones are promoted to ScaledArray (and scale dtypes joined).
 * **remat**: re-bound with its policy, ``prevent_cse`` and ``differentiated`` flag.
@@ -273,11 +274,27 @@ def _pack_y(slot: Slot, invariant: dict[int, jax.Array]) -> tuple[Any, Callable]
     """One iteration's output as scanned out, and how to rebuild the stacked slot."""
     value = slot.value
     if not isinstance(value, ScaledArray):
-        return value, plain_slot
+        stored, restore = _stacked_as_bytes(value)
+        return stored, lambda ys: plain_slot(restore(ys))
     scale = value.scale
+    data, restore = _stacked_as_bytes(value.data)
     if invariant.get(id(scale)) is scale or is_static(scale):
-        return value.data, lambda data: Slot(ScaledArray._trusted(data, scale))
-    return (value.data, scale), _unify_rows
+        return data, lambda ys: Slot(ScaledArray._trusted(restore(ys), scale))
+    return (data, scale), lambda rows: _unify_rows((restore(rows[0]), rows[1]))
+
+
+def _stacked_as_bytes(y: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """8-bit float data scanned out as its bytes (``uint8``), and how to read the stack back.
+
+    XLA's CPU backend writes each row of an 8-bit float stack by widening the whole stack to
+    float16 and back, in every iteration: the FP8 residuals of ``grad`` of a scan over
+    layers cost a step twice the unrolled one. Bytes are written in place; both bitcasts
+    are free.
+    """
+    dtype = jnp.dtype(y.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits != 8:
+        return y, lambda ys: ys
+    return lax.bitcast_convert_type(y, jnp.uint8), lambda ys: lax.bitcast_convert_type(ys, dtype)
 
 
 def _unify_rows(rows: tuple[jax.Array, jax.Array]) -> Slot:
