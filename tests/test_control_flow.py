@@ -294,10 +294,14 @@ def _scan_eqns(jaxpr) -> list:
     return found
 
 
-def test_fp8_rows_of_a_scan_are_stacked_as_bytes_and_read_back_exactly():
-    """``grad`` of a scan over FP8 layers (``dot_formats``): the forward scan stacks its FP8
-    residuals as bytes (XLA:CPU widens an 8-bit float stack to float16 and back to write each
-    row), and the gradients are the unrolled loop's."""
+@pytest.mark.parametrize("exponent", EXPONENTS)
+def test_fp8_rows_of_a_scan_are_stacked_as_bytes_and_read_back_exactly(exponent):
+    """``grad`` of a scan over FP8 layers (``dot_formats``, 256-wide, 32k-element
+    activations at ``2^exponent``): the forward scan stacks its FP8 residuals as bytes
+    (XLA:CPU widens an 8-bit float stack to float16 and back to write each row), and the
+    gradients are the unrolled loop's bit for bit. At 2^20 the first layer's tanh saturates:
+    its all-zero gradient row, at a scale 2^23 above the others, must not set the stacked
+    gradient's scale (the other rows' float16 data would keep about 1 bit)."""
 
     def layers(ws, x, scan):
         if scan:
@@ -308,7 +312,8 @@ def test_fp8_rows_of_a_scan_are_stacked_as_bytes_and_read_back_exactly():
                 h = jnp.tanh(h @ ws[i])
         return jnp.sum(h.astype(jnp.float32) ** 2)
 
-    ws, x = scaled16(normal(60, (3, 64, 64), 0.125), -4), scaled16(normal(61, (32, 64)), 6)
+    ws = js.as_scaled_array(normal(60, (3, 256, 256), 1 / 16).astype(jnp.float16))
+    x = scaled16(normal(61, (128, 256)), exponent)
     grads = {
         scan: jax.jit(js.scalify(jax.grad(js.dot_formats(functools.partial(layers, scan=scan)))))
         for scan in (False, True)

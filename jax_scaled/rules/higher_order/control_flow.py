@@ -15,9 +15,10 @@ program keeps its structure, only the representation of its values changes.
   and an estimate that is off compounds over the iterations.
 * **Stacked outputs** (``ys`` of scan): a loop-invariant scale (that of a constant or of
   ``xs``, kept by the body) is returned as is. Otherwise each iteration's scale is stacked and
-  the result is brought to the largest one (one rescale of the stacked data). A later scan
-  that reads such an output as ``xs`` uses the per-iteration scales directly, so under
-  ``jit`` the rescale is dead code there (the usual case: residuals of ``grad`` of a scan).
+  the result is brought to the largest scale of its rows that are not all zero (one rescale
+  of the stacked data). A later scan that reads such an output as ``xs`` uses the
+  per-iteration scales directly, so under ``jit`` the rescale is dead code there (the usual
+  case: residuals of ``grad`` of a scan).
   8-bit float data is stacked as its bytes, which XLA writes in place.
 * **Branches** (cond, switch): interpreted separately; where they disagree on an output, the
   plain ones are promoted to ScaledArray (and scale dtypes joined).
@@ -298,10 +299,15 @@ def _stacked_as_bytes(y: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], ja
 
 
 def _unify_rows(rows: tuple[jax.Array, jax.Array]) -> Slot:
-    """Stacked data with one scale per row, as a ScaledArray at the largest row scale."""
+    """Stacked data with one scale per row, as a ScaledArray at the largest scale of a row that
+    is not all zero (the largest of all when every row is)."""
     data, scales = rows
     scales32 = scales.astype(jnp.float32)
-    common = jnp.max(scales32, initial=0.0)
+    # A row of zeros is the same at any scale: its scale (a saturated layer's gradient, say,
+    # 2^20 above the others) must not push the other rows' data out of the format's bits.
+    nonzero = jnp.any(data != 0, axis=tuple(range(1, data.ndim)))
+    common = jnp.max(jnp.where(nonzero, scales32, 0.0), initial=0.0)
+    common = jnp.where(common > 0, common, jnp.max(scales32, initial=0.0))
     ratio = pow2_ratio(scales32, common)  # exact, and no float division (a kernel on CPU)
     unified = ScaledArray._trusted(
         rescale(data, ratio.reshape(ratio.shape + (1,) * (data.ndim - 1))),
