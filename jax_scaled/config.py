@@ -39,7 +39,9 @@ class ScalifyConfig:
             scale; when that operand's values are far below its scale, the other operand's
             data underflows. With ``guard_sums`` the sum is formed in float32 and
             re-centred, as ``add_any`` always is under ``guard``. Each guarded sum costs a
-            max reduction: more compile time and memory traffic.
+            max reduction: more compile time and memory traffic. Under ``guard`` alone,
+            the sums of two unbroadcast tensors read twice or more (a residual stream)
+            are guarded already.
 
     Use it as a context manager around the call that traces (the first call of a jitted
     function), or pass it to ``scalify(fn, config=...)``:

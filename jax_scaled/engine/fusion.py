@@ -6,6 +6,15 @@ readers: its scale is computed once (:func:`~jax_scaled.pow2.xla.computed_once`)
 the global norm that clips every parameter's update was compiled once per parameter, and
 ``benchmarks/model_scale.py``'s GPT compiled quadratically in depth.
 
+Data meets the same copying. A float16 rule converts its output, and every reader converts
+it back: each reader can fuse its producer, so XLA materialises nothing and recomputes the
+producer in each reader. Through a transformer's residual stream (a sum of two tensors per
+block, read by a layer norm, the next sum and the backward pass) every reader recomputed
+the stream from the embeddings: 4,969 instructions in the weight-gradient transposes of a
+4-layer GPT, quadratic in depth. :func:`guards_shared_sum` picks these sums for the range
+guard, whose reduction is a reader XLA cannot fuse into: the sum is materialised once, as a
+plain program's is.
+
 XLA:CPU compiles every kernel of a program separately, at a fixed cost of several
 milliseconds each, and it gives every program output that it cannot fuse into another
 kernel a kernel of its own. A scalified training step returns one new scale per parameter,
@@ -67,6 +76,33 @@ def marked_computed(values: list) -> None:
     for x in values:
         if isinstance(x, ScaledArray) and isinstance(x.scale, jxi.Tracer):
             memoized("computed_once", x.scale, lambda x=x: x.scale)
+
+
+def guards_shared_sum(eqn: jxi.JaxprEqn, uses: dict, broadcasts: set) -> bool:
+    """True for a sum (``add``, ``sub``) of two tensors of its output's shape, neither
+    broadcast (``broadcasts``: the outputs of ``broadcast_in_dim``), whose result is read
+    twice or more (``uses``,
+    :func:`~jax_scaled.engine.peephole.use_counts`). Under the range guard its rule guards
+    it like a join (:class:`~jax_scaled.ScalifyConfig` ``guard_sums``); see the module notes.
+
+    Example:
+        >>> def block(x, y):
+        ...     h = x + y
+        ...     return h * h, x + 1.0
+        >>> jaxpr = jax.make_jaxpr(block)(jnp.ones(3), jnp.ones(3)).jaxpr
+        >>> uses = {v: 2 for v in jaxpr.eqns[0].outvars}
+        >>> [guards_shared_sum(eqn, uses, set()) for eqn in jaxpr.eqns]
+        [True, False, False]
+    """
+    if eqn.primitive not in (lax.add_p, lax.sub_p):
+        return False
+    out = eqn.outvars[0]
+    if uses.get(out, 0) < 2 or not out.aval.ndim:
+        return False
+    return all(
+        not isinstance(v, jxi.Literal) and v.aval.shape == out.aval.shape and v not in broadcasts
+        for v in eqn.invars
+    )
 
 
 def _shared(readers: int, slot: Slot) -> bool:

@@ -8,7 +8,8 @@ interprets its sub-jaxprs with :func:`interpret_closed`; any other equation with
 input goes to its scale rule, after plain operands known statically are promoted to
 ScaledArrays (:mod:`jax_scaled.engine.promotion`). Both kinds of rule live in the primitive's record
 (:mod:`jax_scaled.engine.registry`). A scaled ``dot_general`` whose only use is a transpose of its
-result is bound as one swapped contraction (:mod:`jax_scaled.engine.peephole`).
+result is bound as one swapped contraction (:mod:`jax_scaled.engine.peephole`), and a sum of
+two tensors read twice or more is range-guarded (:mod:`jax_scaled.engine.fusion`).
 
 The public API for higher-order rules: :func:`interpret_closed`, :func:`interpret_jaxpr`,
 :func:`rule_output_slots` and :func:`source_line`.
@@ -16,19 +17,28 @@ The public API for higher-order rules: :func:`interpret_closed`, :func:`interpre
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
+
+from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled import context
 from jax_scaled.any_scale import AnyScaleValue
 from jax_scaled.array import Value, is_array_like
-from jax_scaled.config import ScalifyConfig
+from jax_scaled.config import ScalifyConfig, current_config
 from jax_scaled.dtypes import is_narrow_float
 from jax_scaled.engine import block_dispatch, constants, recording
 from jax_scaled.engine.facts import Slot, constant_slot, forwarded
-from jax_scaled.engine.fusion import bundle_scales, computed_once_where_shared, marked_computed
+from jax_scaled.engine.fusion import (
+    bundle_scales,
+    computed_once_where_shared,
+    guards_shared_sum,
+    marked_computed,
+)
 from jax_scaled.engine.peephole import transposed_contractions, use_counts
 from jax_scaled.engine.promotion import normalized_scalar, normalizes, promote_inputs
 from jax_scaled.engine.registry import Property, record
@@ -110,6 +120,7 @@ def interpret_jaxpr(
     swaps = {id(eqns[i]): (eqns[j], swapped) for i, (j, swapped) in pairs}
     passed_on: set[int] = set()  # transposes whose value their swapped dot computed
     uses = use_counts(jaxpr)
+    broadcasts = {e.outvars[0] for e in eqns if e.primitive is lax.broadcast_in_dim_p}
 
     def step(eqn: jxi.JaxprEqn, eqn_slots: list[Slot]) -> list[Slot]:
         if id(eqn) in passed_on:
@@ -120,7 +131,8 @@ def interpret_jaxpr(
             transpose, eqn = swap
             passed_on.add(id(transpose))
             eqn_slots = eqn_slots[::-1]
-        return computed_once_where_shared(eqn.outvars, interpret_eqn(eqn, eqn_slots), uses)
+        with _sum_guard(eqn, uses, broadcasts):
+            return computed_once_where_shared(eqn.outvars, interpret_eqn(eqn, eqn_slots), uses)
 
     def literal(atom: jxi.Literal) -> Slot:
         return constant_slot(atom.val, constants.true_value(atom))
@@ -128,6 +140,14 @@ def interpret_jaxpr(
     const_slots = [constant_slot(c) for c in consts]
     with recording.batched_observations():
         return evaluate_jaxpr(jaxpr, const_slots, in_slots, step, literal)
+
+
+def _sum_guard(eqn: jxi.JaxprEqn, uses: dict, broadcasts: set) -> Any:
+    """Where ``eqn`` is a shared sum (:func:`~jax_scaled.engine.fusion.guards_shared_sum`),
+    a block that guards it; otherwise a block that changes nothing."""
+    if not guards_shared_sum(eqn, uses, broadcasts):
+        return contextlib.nullcontext()
+    return context.entered(config=replace(current_config(), guard_sums=True))
 
 
 def interpret_closed(closed: jxi.ClosedJaxpr, in_slots: Sequence[Slot]) -> list[Slot]:
