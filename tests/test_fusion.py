@@ -216,10 +216,10 @@ def residual_loss(weights, x):
     return jnp.mean(h**2)
 
 
-def residual_inputs(depth: int, scale: float = 1.0) -> tuple:
+def residual_inputs(depth: int) -> tuple:
     keys = jax.random.split(jax.random.PRNGKey(2), depth + 1)
     weights = [js.quantize(jax.random.normal(k, (128, 128)) / 16, jnp.float16) for k in keys[1:]]
-    x = js.quantize(jax.random.normal(keys[0], (256, 128)) * scale, jnp.float16)
+    x = js.quantize(jax.random.normal(keys[0], (256, 128)), jnp.float16)
     return weights, x
 
 
