@@ -23,17 +23,17 @@ class ScalifyConfig:
             the input scales (float32 when there are none), or ``jnp.float32`` /
             ``jnp.float8_e8m0fnu`` to force one.
         guard: keep narrow data in range (default ``True``). Static scale estimates assume
-            independent terms; correlated ones (a bias gradient summed over a batch,
-            attention logits of a trained model) make the data drift from unit scale, and
-            float16 or float8 data then overflows or underflows. With ``guard``, the rules
-            whose estimate can drift (matmuls, convolutions, sums, powers, narrowing casts,
-            and the joins of independently scaled values: gradient accumulation
-            ``add_any``, ``concatenate``, ``stack``) check the largest output datum of a
-            float16/float8 result, and move a power of two into the scale when it leaves
-            the format's comfortable range (one max reduction, fused with the op). Healthy
-            data gives the static result exactly. It also keeps the float32 data of loop
-            carries within ``2^+-8`` of 1, and gives a one-element result that is zero at
-            run time the smallest scale. ``False`` keeps purely static scales.
+            independent terms; correlated ones (a bias gradient summed over a batch, attention
+            logits of a trained model) make the data drift from unit scale, and float16 or float8
+            data then overflows or underflows. With ``guard``, the rules whose estimate can drift
+            (matmuls, convolutions, sums, powers, quotients by a non-constant, narrowing casts, and
+            the joins of independently scaled values: gradient accumulation ``add_any``,
+            ``concatenate``, ``stack``) check the largest output datum of a float16/float8 result,
+            and move a power of two into the scale when it leaves the format's comfortable range
+            (one max reduction, fused with the op). Healthy data gives the static result exactly. It
+            also keeps the float32 data of loop carries within ``2^+-8`` of 1, and gives a
+            one-element result that is zero at run time the smallest scale. ``False`` keeps purely
+            static scales.
         guard_sums: also guard the outputs of ``add`` and ``sub`` in float16/float8
             (default ``False``; only with ``guard``). A sum takes the larger operand
             scale; when that operand's values are far below its scale, the other operand's

@@ -51,6 +51,18 @@ def test_arithmetic_e8m0_bit_identical(data):
     check_e8m0_matches(lambda a, b: lax.add(a, b) * b, [x, y])
 
 
+@given(data=st.data())
+def test_a_product_of_a_quotient_stays_finite_and_within_rounding(data):
+    """A quotient of in-band float16 data reaches 2^15 (large over small, as ``rsqrt(v) / v``
+    in a layer norm's gradient with ``v``'s data at the bottom of the band): it is
+    range-guarded, so the product after it neither overflows nor loses precision."""
+    shape = data.draw(shapes())
+    large = data.draw(scaled_arrays(shape, jnp.float16, low=2.0**4, high=2.0**7))
+    small = data.draw(scaled_arrays(shape, jnp.float16, low=2.0**-8, high=2.0**-6))
+    cotangent = data.draw(scaled_arrays(shape, jnp.float16, low=2.0**4, high=2.0**7))
+    check_scaled(lambda a, v, g: a / v * g, [large, small, cotangent], jnp.float16)
+
+
 # --- ScalifyConfig(guard_sums=True) ---------------------------------------------------------
 
 GUARDED_SUMS = {

@@ -115,15 +115,20 @@ def _shrinking_constant(x: ScaledArray) -> ScaledArray:
 
 @register_scale_rule(lax.div_p, properties=_PRODUCT, estimate=estimates.quotient, fold=np.divide)
 def div_rule(x, y, **params):
-    """sx / sy, data dx / dy. 8-bit data (top of its format): formed in float32 and
-    centred (:func:`~jax_scaled.scales.guard.centred`), except by a constant divisor (its
-    mantissa >= 1 only shrinks data)."""
+    """sx / sy, data dx / dy, except by a constant divisor (its mantissa >= 1 only shrinks
+    data) formed in float32 and range-guarded: a quotient of two in-band float16 data
+    reaches 2^15, where one more product overflows (a layer norm's gradient multiplies
+    ``rsqrt(v) / v`` by a cotangent). 8-bit data (top of its format) is centred
+    (:func:`~jax_scaled.scales.guard.centred`)."""
     divisor_constant = has_static_scale(y) and not has_static_scale(x)
     x, y = as_scaled(x), as_scaled(y)
     scale = float_division(scale_f32(x), scale_f32(y))  # cuts scale chains: see scales.xla
-    if products_guarded(x.dtype) and not divisor_constant:
-        return centred(lax.div(_wide(x), _wide(y)), scale, x.dtype, x, y)
-    return ScaledArray(lax.div_p.bind(x.data, y.data, **params), make_scale(scale, x, y))
+    if divisor_constant or guard_band(x.dtype) is None:
+        return ScaledArray(lax.div_p.bind(x.data, y.data, **params), make_scale(scale, x, y))
+    quotient = lax.div(_wide(x), _wide(y))
+    if products_guarded(x.dtype):
+        return centred(quotient, scale, x.dtype, x, y)
+    return guarded(quotient, scale, x.dtype, x, y)
 
 
 @register_scale_rule(
