@@ -115,9 +115,9 @@ def _shrinking_constant(x: ScaledArray) -> ScaledArray:
 
 @register_scale_rule(lax.div_p, properties=_PRODUCT, estimate=estimates.quotient, fold=np.divide)
 def div_rule(x, y, **params):
-    """sx / sy, data dx / dy, except by a constant divisor (its mantissa >= 1 only shrinks
-    data) formed in float32 and range-guarded: a quotient of two in-band float16 data
-    reaches 2^15, where one more product overflows (a layer norm's gradient multiplies
+    """sx / sy, data dx / dy. A quotient by anything but a constant (whose mantissa >= 1
+    only shrinks data) is formed in float32 and range-guarded: one of two in-band float16
+    data reaches 2^15, where one more product overflows (a layer norm's gradient multiplies
     ``rsqrt(v) / v`` by a cotangent). 8-bit data (top of its format) is centred
     (:func:`~jax_scaled.scales.guard.centred`)."""
     divisor_constant = has_static_scale(y) and not has_static_scale(x)
