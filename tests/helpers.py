@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
+from jax import lax
 
 import jax_scaled as js
 from jax_scaled.pow2.static import is_pow2
@@ -347,3 +348,13 @@ def load_benchmark(name: str) -> types.ModuleType:
     sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
+
+
+def residual_loss(weights: Sequence[Any], x: Any, activation: Callable = jax.nn.gelu) -> Any:
+    """A residual stack as transformers write it, ``h + activation(layer_norm(h) @ w)`` per
+    block, then a loss."""
+    h = x
+    for w in weights:
+        normed = (h - jnp.mean(h, -1, keepdims=True)) * lax.rsqrt(jnp.var(h, -1, keepdims=True))
+        h = h + activation(normed @ w)
+    return jnp.mean(h**2)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import residual_loss
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -205,15 +206,6 @@ def test_a_global_norm_clip_keeps_its_values(scale):
         actual = np.asarray(js.asarray(got[key], jnp.float32), np.float64)
         largest = float(np.max(np.abs(value)))
         np.testing.assert_allclose(actual, value, rtol=8 * eps, atol=eps * largest)
-
-
-def residual_loss(weights, x):
-    """A residual stack as transformers write it: ``h + f(norm(h))`` per block."""
-    h = x
-    for w in weights:
-        normed = (h - jnp.mean(h, -1, keepdims=True)) * lax.rsqrt(jnp.var(h, -1, keepdims=True))
-        h = h + jax.nn.gelu(normed @ w)
-    return jnp.mean(h**2)
 
 
 def residual_inputs(depth: int) -> tuple:

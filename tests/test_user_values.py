@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import jax_scaled as js
-from tests.helpers import reference64, value64
+from tests.helpers import reference64, residual_loss, value64
 
 FLOAT16_EPS = float(jnp.finfo(jnp.float16).eps)
 
@@ -144,15 +143,6 @@ def test_a_closed_over_mask_takes_the_other_operands_scale(under_jit):
 
 
 # --- a residual stack, its inputs built every way the API allows ---------------------------
-
-
-def residual_loss(weights, x, activation):
-    """Transformer blocks as written: ``h + activation(layer_norm(h) @ w)``, then a loss."""
-    h = x
-    for w in weights:
-        normed = (h - jnp.mean(h, -1, keepdims=True)) * lax.rsqrt(jnp.var(h, -1, keepdims=True))
-        h = h + activation(normed @ w)
-    return jnp.mean(h**2)
 
 
 def build_float16(route: str, values: jax.Array, scale: float):
