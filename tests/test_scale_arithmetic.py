@@ -174,6 +174,27 @@ def test_traced_scalar_split_of_special_values():
     assert split(tiny) == (tiny, 1.0, False)
 
 
+def reference_split(bits: np.uint32) -> tuple:
+    """``split_scalar`` in numpy: a normal number's mantissa and power of two, anything
+    else (zero, subnormal, infinity, NaN) at scale 1."""
+    value = np.array(bits, np.uint32).view(np.float32)
+    if np.isfinite(value) and abs(value) >= np.finfo(np.float32).tiny:
+        mantissa, scale = static_pow2_split(float(value))
+        return np.float32(mantissa), np.float32(scale), False
+    return value, np.float32(1.0), bool(value == 0 or not np.isfinite(value))
+
+
+@given(st.integers(0, 2**32 - 1) | st.sampled_from([0x1, 0x807FFFFF, 0x7F800000, 0xFFC00001]))
+def test_traced_scalar_split_under_jit_keeps_every_bit_pattern(bits):
+    # Compiled, the split is computed in a kernel of its own (a reduction): a subnormal,
+    # kept as its own mantissa, must not be flushed to zero there.
+    value = jnp.asarray(np.array(bits, np.uint32).view(np.float32))
+    mantissa, scale, any_scale = jax.jit(promotion.split_scalar)(value)
+    expected = reference_split(np.uint32(bits))
+    assert np.asarray(mantissa).tobytes() == expected[0].tobytes(), hex(bits)
+    assert (float(scale), bool(any_scale)) == (float(expected[1]), expected[2])
+
+
 def test_traced_scalar_split_of_narrow_formats():
     assert split(-6.0, jnp.float16) == (-1.5, 4.0, False)
     assert split(2.0**-20, jnp.bfloat16) == (1.0, 2.0**-20, False)

@@ -29,14 +29,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.engine.facts import Slot
 from jax_scaled.memo import memoized
-from jax_scaled.pow2.xla import computed_once
+from jax_scaled.pow2.xla import computed_once, computed_together
 
 # A 0-d value's readers are spread over the whole program (a global norm, a scheduled
 # learning rate, read by every parameter's update): copies of its chain grow with the model.
@@ -123,9 +122,9 @@ def _with_scale_once(slot: Slot) -> Slot:
 
 def bundle_scales(values: list, inputs: list) -> list:
     """``values`` with the traced scalar scales of their ScaledArrays (except those passed in
-    unchanged from ``inputs``) computed by one multi-output operation: an identity, a
-    variadic ``max`` over two copies of each scale, which XLA compiles as one kernel.
-    Values are unchanged, under every transform.
+    unchanged from ``inputs``) computed by one kernel
+    (:func:`~jax_scaled.pow2.xla.computed_together`). Values are unchanged, under every
+    transform.
 
     Example:
         >>> def rescaled(x):
@@ -142,10 +141,7 @@ def bundle_scales(values: list, inputs: list) -> list:
             picked.setdefault(id(x.scale), x.scale)
     if len(picked) < 2:
         return values
-    scales = list(picked.values())
-    copies = [lax.broadcast(s, (2,)) for s in scales]
-    lowest = [np.array(-np.inf, s.dtype) for s in scales]
-    bundled = dict(zip(picked, lax.reduce(copies, lowest, _elementwise_max, (0,)), strict=True))
+    bundled = dict(zip(picked, computed_together(list(picked.values())), strict=True))
     return [
         ScaledArray(x.data, bundled[id(x.scale)]) if id(getattr(x, "scale", None)) in bundled else x
         for x in values
@@ -159,7 +155,3 @@ def _bundles(x: object) -> bool:
         and x.scale.ndim == 0
         and x.scale.dtype in (jnp.float32, jnp.float16, jnp.bfloat16)
     )
-
-
-def _elementwise_max(a: tuple, b: tuple) -> tuple:
-    return tuple(lax.max(p, q) for p, q in zip(a, b, strict=True))

@@ -31,6 +31,7 @@ from jax_scaled.pow2.static import (
     static_pow2_split,
 )
 from jax_scaled.pow2.traced import as_float32, biased_exponent
+from jax_scaled.pow2.xla import computed_together
 
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
@@ -98,6 +99,11 @@ def split_scalar(base: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     operations; for anything else (zero, subnormal, infinity, NaN), the value at scale 1.
     ``any_scale`` is true for zeros, infinities and NaNs, the same at any scale.
 
+    The mantissa and scale are computed by one kernel of their own
+    (:func:`~jax_scaled.pow2.xla.computed_together`): the value is typically a learning
+    rate or a bias correction read by every parameter's update, and XLA would otherwise
+    copy its whole chain (the schedule, then the split) into each of their kernels.
+
     Example:
         >>> [x.item() for x in split_scalar(jnp.float32(-6.0))]
         [-1.5, 4.0, False]
@@ -108,11 +114,15 @@ def split_scalar(base: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     infinite_or_nan = lax.eq(exponent_bits, EXPONENT_FIELD)
     normal = lax.bitwise_and(lax.ne(exponent_bits, np.uint32(0)), lax.bitwise_not(infinite_or_nan))
     unit = lax.bitwise_or(lax.bitwise_and(bits, _SIGN_AND_MANTISSA), static_pow2_bits(0))
-    mantissa = lax.select(normal, lax.bitcast_convert_type(unit, np.float32), value)
-    power = lax.bitcast_convert_type(exponent_bits, np.float32)
-    scale = lax.select(normal, power, np.ones((), np.float32))
+    mantissa_bits = lax.select(normal, unit, bits)
+    scale_bits = lax.select(normal, exponent_bits, static_pow2_bits(0))
     zero = lax.eq(lax.bitwise_and(bits, _MAGNITUDE), np.uint32(0))
-    return mantissa, scale, lax.bitwise_or(zero, infinite_or_nan)
+    any_scale = lax.convert_element_type(lax.bitwise_or(zero, infinite_or_nan), np.uint32)
+    # As bits: a subnormal value, its own mantissa, must not meet a flushing float max.
+    mantissa_bits, scale_bits, any_scale = computed_together([mantissa_bits, scale_bits, any_scale])
+    mantissa = lax.bitcast_convert_type(mantissa_bits, np.float32)
+    scale = lax.bitcast_convert_type(scale_bits, np.float32)
+    return mantissa, scale, lax.ne(any_scale, np.uint32(0))
 
 
 def promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) -> Value:
