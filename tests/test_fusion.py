@@ -158,6 +158,16 @@ def test_guard_factors_match_their_definition(dtype, data):
     assert (float(down), float(up)) == reference_guard(wide, dtype, divisor_exponent)
 
 
+def test_guard_factors_are_computed_by_one_kernel_of_their_own():
+    # As a variadic reduction, which XLA neither copies into the kernels that read the
+    # factors (the guarded data's and its readers') nor folds away.
+    jaxpr = jax.make_jaxpr(lambda x: guard_factors(x, jnp.float16))(jnp.ones((4, 4))).jaxpr
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    (together,) = {id(producers[v]): producers[v] for v in jaxpr.outvars}.values()
+    assert together.primitive is lax.reduce_p
+    assert list(together.outvars) == list(jaxpr.outvars)
+
+
 def test_computed_once_is_exact_for_every_scale():
     scales = np.concatenate([[0.0], 2.0 ** np.arange(-126, 128)]).astype(np.float32)
     got = jax.jit(jax.vmap(computed_once))(scales)

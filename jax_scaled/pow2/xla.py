@@ -29,10 +29,11 @@ these helpers where the choice matters.
   reader's own division); the scale is computed once, in a kernel of its own.
 * **One kernel for several values** (:func:`computed_together`): an identity that is a
   variadic reduction, which XLA neither copies into its readers nor simplifies away (a
-  reduction of one operand it folds). A traced scalar promoted into a rule's operand (a
-  scheduled learning rate, a bias correction) was split into mantissa and power of two
-  inside every kernel that read it, its schedule with it: 8.7% of the 4-layer GPT's
-  float16 step.
+  reduction of one operand it folds). The range guard's two factors were worked out
+  again in the kernel that writes the guarded data and in every kernel that reads its
+  scale, and a traced scalar promoted into a rule's operand (a scheduled learning rate, a
+  bias correction) was split into mantissa and power of two inside every kernel that read
+  it, its schedule with it: together a quarter of the 4-layer GPT's float16 step.
 * **The largest magnitude of guarded data** (:func:`largest_magnitude`): one reduction kernel
   instead of three, and ``abs`` fused into large reductions.
 
