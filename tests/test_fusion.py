@@ -17,7 +17,7 @@ from jax import lax
 
 import jax_scaled as js
 from jax_scaled.engine.fusion import bundle_scales
-from jax_scaled.pow2.xla import computed_once, largest_magnitude
+from jax_scaled.pow2.xla import computed_once, computed_together, largest_magnitude
 from jax_scaled.scales.guard import guard_band, guard_factors, largest_biased_exponent
 
 
@@ -166,6 +166,16 @@ def test_guard_factors_are_computed_by_one_kernel_of_their_own():
     (together,) = {id(producers[v]): producers[v] for v in jaxpr.outvars}.values()
     assert together.primitive is lax.reduce_p
     assert list(together.outvars) == list(jaxpr.outvars)
+
+
+def test_values_computed_together_keep_their_dtypes_and_bits():
+    # One reduction per dtype: XLA rejects a variadic reduction over floats of different
+    # widths, and a float max must not meet a subnormal (its bits travel as an integer).
+    values = [np.float32(1.5), np.float16(-2.0), np.uint32(0x00000001), np.float32(-np.inf),
+              jnp.bfloat16(3.0), np.float32(np.nan)]  # fmt: skip
+    got = jax.jit(lambda *xs: computed_together(list(xs)))(*values)
+    for g, v in zip(got, values, strict=True):
+        assert g.dtype == v.dtype and np.asarray(g).tobytes() == np.asarray(v).tobytes(), v
 
 
 def test_computed_once_is_exact_for_every_scale():

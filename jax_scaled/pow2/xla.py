@@ -112,18 +112,25 @@ def computed_once(scale: Any) -> Any:
 
 
 def computed_together(values: Sequence[jax.Array]) -> list[jax.Array]:
-    """``values`` (two or more 0-d arrays), unchanged, computed by one kernel of their own
-    rather than copied into each kernel that reads them (see the module notes): the largest
-    of two copies of each, one variadic reduction. Exact for integers and for floats other
-    than subnormals, which XLA:CPU may flush to zero (pass their bits to keep them).
+    """``values`` (0-d arrays), unchanged, computed by one kernel of their own rather than
+    copied into each kernel that reads them (see the module notes): the largest of two copies
+    of each, one variadic reduction per dtype (XLA rejects one over floats of different
+    widths; a dtype with a single value is folded by XLA, and so copied as before). Exact for
+    integers and for floats other than subnormals, which XLA:CPU may flush to zero (pass
+    their bits to keep them).
 
     Example:
         >>> [float(x) for x in computed_together([jnp.float32(1.5), jnp.float32(-jnp.inf)])]
         [1.5, -inf]
     """
-    copies = [lax.broadcast(x, (2,)) for x in values]
-    lowest = [_lowest(x.dtype) for x in values]
-    return list(lax.reduce(copies, lowest, _elementwise_max, (0,)))
+    together = list(values)
+    for dtype in dict.fromkeys(jnp.dtype(x.dtype) for x in values):
+        where = [i for i, x in enumerate(values) if jnp.dtype(x.dtype) == dtype]
+        copies = [lax.broadcast(values[i], (2,)) for i in where]
+        lowest = [_lowest(dtype)] * len(where)
+        for i, x in zip(where, lax.reduce(copies, lowest, _elementwise_max, (0,)), strict=True):
+            together[i] = x
+    return together
 
 
 def _lowest(dtype: Any) -> np.ndarray:
