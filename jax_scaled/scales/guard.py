@@ -182,8 +182,8 @@ def guard_factors(
     magnitude, without branches or float division, and computed by one kernel of its own
     (:func:`~jax_scaled.pow2.xla.computed_together`): XLA copied it into the kernel that
     writes the guarded data and into every kernel that reads its scale (the 4-layer GPT's
-    float16 step compiled to 18% more instructions). The shift is clamped at ``2^-126`` so
-    that both factors stay normal floats, which the kernel returns exactly.
+    float16 step compiled to 50.8k instructions instead of 42.1k). The shift is clamped at
+    ``2^-126`` so that both factors stay normal floats, which the kernel returns exactly.
 
     Example:
         >>> down, up = guard_factors(jnp.array([2.0**17, 2.0]), jnp.float16)
@@ -209,8 +209,7 @@ def guard_factors(
     centre = lax.select(outside, lax.max(exponent_bits, field(target - 126)), field(target))
     up = lax.sub(centre, field(target - EXPONENT_BIAS))
     down = lax.sub(field(target + EXPONENT_BIAS - divisor_exponent), centre)
-    factors = [lax.bitcast_convert_type(f, jnp.float32) for f in (down, up)]
-    down, up = computed_together(factors)
+    down, up = computed_together([lax.bitcast_convert_type(f, jnp.float32) for f in (down, up)])
     return down, up
 
 
