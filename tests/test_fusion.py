@@ -162,8 +162,7 @@ def test_guard_factors_are_computed_by_one_kernel_of_their_own():
     # As a variadic reduction, which XLA neither copies into the kernels that read the
     # factors (the guarded data's and its readers') nor folds away.
     jaxpr = jax.make_jaxpr(lambda x: guard_factors(x, jnp.float16))(jnp.ones((4, 4))).jaxpr
-    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
-    (together,) = {id(producers[v]): producers[v] for v in jaxpr.outvars}.values()
+    together = next(e for e in jaxpr.eqns if jaxpr.outvars[0] in e.outvars)
     assert together.primitive is lax.reduce_p
     assert list(together.outvars) == list(jaxpr.outvars)
 

@@ -99,7 +99,7 @@ def split_scalar(base: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     operations; for anything else (zero, subnormal, infinity, NaN), the value at scale 1.
     ``any_scale`` is true for zeros, infinities and NaNs, the same at any scale.
 
-    The mantissa and scale are computed by one kernel of their own
+    All three are computed by one kernel of their own
     (:func:`~jax_scaled.pow2.xla.computed_together`): the value is typically a learning
     rate or a bias correction read by every parameter's update, and XLA would otherwise
     copy its whole chain (the schedule, then the split) into each of their kernels.
