@@ -177,6 +177,21 @@ def test_values_computed_together_keep_their_dtypes_and_bits():
         assert g.dtype == v.dtype and np.asarray(g).tobytes() == np.asarray(v).tobytes(), v
 
 
+@pytest.mark.parametrize("count", [2, 16, 17, 40])
+def test_many_values_are_computed_together_in_even_groups_of_at_most_16(count):
+    # LLVM compiles a reduction carrying hundreds of values (a deep model's output scales)
+    # far more slowly than several short ones; a group of one value would be folded away.
+    values = [np.float32(2.0 ** (i - count // 2)) for i in range(count)]
+
+    def computed(*xs):
+        return computed_together(list(xs))
+
+    sizes = [len(e.outvars) for e in reduces_in(jax.make_jaxpr(computed)(*values).jaxpr)]
+    assert sum(sizes) == count and max(sizes) <= 16 and max(sizes) - min(sizes) <= 1
+    got = jax.jit(computed)(*values)
+    assert [float(g) for g in got] == [float(v) for v in values]
+
+
 def test_computed_once_is_exact_for_every_scale():
     scales = np.concatenate([[0.0], 2.0 ** np.arange(-126, 128)]).astype(np.float32)
     got = jax.jit(jax.vmap(computed_once))(scales)

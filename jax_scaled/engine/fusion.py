@@ -19,8 +19,9 @@ XLA:CPU compiles every kernel of a program separately, at a fixed cost of severa
 milliseconds each, and it gives every program output that it cannot fuse into another
 kernel a kernel of its own. A scalified training step returns one new scale per parameter,
 each a short chain of scalar arithmetic: without help that is one kernel per parameter.
-:func:`bundle_scales` routes them through one multi-output operation instead
-(``benchmarks/compile_breakdown.py`` counts the kernels).
+:func:`bundle_scales` routes them through a few multi-output operations instead, at most
+16 scales each, because LLVM compiles one long kernel much more slowly than several short
+ones (``benchmarks/compile_breakdown.py`` counts the kernels).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def _with_scale_once(slot: Slot) -> Slot:
 
 def bundle_scales(values: list, inputs: list) -> list:
     """``values`` with the traced scalar scales of their ScaledArrays (except those passed in
-    unchanged from ``inputs``) computed by one kernel
+    unchanged from ``inputs``) computed together, 16 to a kernel
     (:func:`~jax_scaled.pow2.xla.computed_together`). Values are unchanged, under every
     transform.
 

@@ -33,7 +33,9 @@ these helpers where the choice matters.
   again in the kernel that writes the guarded data and in every kernel that reads its
   scale, and a traced scalar promoted into a rule's operand (a scheduled learning rate, a
   bias correction) was split into mantissa and power of two inside every kernel that read
-  it, its schedule with it: together a quarter of the 4-layer GPT's float16 step.
+  it, its schedule with it: together a quarter of the 4-layer GPT's float16 step. At most
+  16 values go through one reduction: LLVM's time on a reduction body grows faster than its
+  operands, and the 8-layer GPT's 301 output scales in one kernel doubled its compile time.
 * **The largest magnitude of guarded data** (:func:`largest_magnitude`): one reduction kernel
   instead of three, and ``abs`` fused into large reductions.
 
@@ -112,10 +114,11 @@ def computed_once(scale: Any) -> Any:
 
 
 def computed_together(values: Sequence[jax.Array]) -> list[jax.Array]:
-    """``values`` (0-d arrays), unchanged, computed by one kernel of their own rather than
+    """``values`` (0-d arrays), unchanged, computed by kernels of their own rather than
     copied into each kernel that reads them (see the module notes): the largest of two copies
-    of each, one variadic reduction per dtype (XLA rejects one over floats of different
-    widths; a dtype with a single value is folded by XLA, and so copied as before). Exact for
+    of each, one variadic reduction per dtype and per group of at most 16 values (XLA rejects
+    one over floats of different widths, and LLVM compiles a long one slowly; a dtype with a
+    single value is folded by XLA, and so copied as before). Exact for
     integers and for floats other than subnormals, which XLA:CPU may flush to zero (pass
     their bits to keep them).
 
@@ -125,12 +128,28 @@ def computed_together(values: Sequence[jax.Array]) -> list[jax.Array]:
     """
     together = list(values)
     for dtype in dict.fromkeys(jnp.dtype(x.dtype) for x in values):
-        where = [i for i, x in enumerate(values) if jnp.dtype(x.dtype) == dtype]
-        copies = [lax.broadcast(values[i], (2,)) for i in where]
-        lowest = [_lowest(dtype)] * len(where)
-        for i, x in zip(where, lax.reduce(copies, lowest, _elementwise_max, (0,)), strict=True):
-            together[i] = x
+        same_dtype = [i for i, x in enumerate(values) if jnp.dtype(x.dtype) == dtype]
+        for where in _balanced_groups(same_dtype, _MOST_PER_KERNEL):
+            copies = [lax.broadcast(values[i], (2,)) for i in where]
+            lowest = [_lowest(dtype)] * len(where)
+            reduced = lax.reduce(copies, lowest, _elementwise_max, (0,))
+            for i, x in zip(where, reduced, strict=True):
+                together[i] = x
     return together
+
+
+# Measured on the 8-layer GPT's output scales (``docs/benchmarks.md``, "Output scales in
+# groups"): 8, 16 and 32 per kernel compile alike, one kernel of 301 about twice as slowly.
+_MOST_PER_KERNEL = 16
+
+
+def _balanced_groups(items: list, most: int) -> list[list]:
+    """``items`` in order, cut into the fewest groups of at most ``most``, sizes within one of
+    each other (so no group is left with a single value while others are full)."""
+    count = -(-len(items) // most)
+    size, extra = divmod(len(items), count)
+    bounds = [i * size + min(i, extra) for i in range(count + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _lowest(dtype: Any) -> np.ndarray:
