@@ -17,7 +17,12 @@ from jax import lax
 
 import jax_scaled as js
 from jax_scaled.engine.fusion import bundle_scales
-from jax_scaled.pow2.xla import computed_once, computed_together, largest_magnitude
+from jax_scaled.pow2.xla import (
+    computed_once,
+    computed_together,
+    computed_together_as_bits,
+    largest_magnitude,
+)
 from jax_scaled.scales.guard import guard_band, guard_factors, largest_biased_exponent
 
 
@@ -177,6 +182,16 @@ def test_values_computed_together_keep_their_dtypes_and_bits():
         assert g.dtype == v.dtype and np.asarray(g).tobytes() == np.asarray(v).tobytes(), v
 
 
+def test_values_of_different_dtypes_computed_together_as_bits_share_one_kernel():
+    values = [np.float16(-0.5), np.float32(2.0**-140), jnp.bfloat16(np.nan), np.float32(np.inf),
+              np.uint8(7), np.float16(6.0e-8)]  # fmt: skip
+    jaxpr = jax.make_jaxpr(lambda *xs: computed_together_as_bits(list(xs)))(*values).jaxpr
+    assert len(reduces_in(jaxpr)) == 1
+    got = jax.jit(lambda *xs: computed_together_as_bits(list(xs)))(*values)
+    for g, v in zip(got, values, strict=True):
+        assert g.dtype == v.dtype and np.asarray(g).tobytes() == np.asarray(v).tobytes(), v
+
+
 @pytest.mark.parametrize("count", [2, 16, 17, 40])
 def test_many_values_are_computed_together_in_even_groups_of_at_most_16(count):
     # LLVM compiles a reduction carrying hundreds of values (a deep model's output scales)
@@ -222,6 +237,29 @@ def test_a_global_norm_is_compiled_once_not_once_per_parameter():
     # squares: copied into each reader it made the program quadratic in the leaf count.
     sizes = [compiled_size(js.scalify(clipped_update), float16_grads(n, 1.0)) for n in (8, 16)]
     assert sizes[1] < 2.2 * sizes[0], sizes
+
+
+def kernel_sizes(fn, *args) -> list[int]:
+    """Instruction counts of the compiled program's computations, the entry's excluded,
+    largest first."""
+    sizes, current = [], None
+    for line in jax.jit(fn).lower(*args).compile().as_text().splitlines():
+        if line.endswith("{") and " = " not in line.split("{")[0]:
+            current = None if line.startswith("ENTRY") else 0
+        elif line.startswith("}") and current is not None:
+            sizes.append(current)
+            current = None
+        elif current is not None and " = " in line:
+            current += 1
+    return sorted(sizes, reverse=True)
+
+
+def test_a_global_norm_is_compiled_by_one_kernel_not_two():
+    # The norm's square root gets a kernel of its own, and the kernel of the root's scale,
+    # which reads the sum's data, compiled the sum through every leaf again: two kernels of
+    # the same size, growing with the leaf count.
+    largest, second = kernel_sizes(js.scalify(clipped_update), float16_grads(16, 1.0))[:2]
+    assert second < largest / 2, (largest, second)
 
 
 @pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20], ids=["2^-20", "1", "2^20"])

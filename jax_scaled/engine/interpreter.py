@@ -38,6 +38,7 @@ from jax_scaled.engine.fusion import (
     computed_once_where_shared,
     guards_shared_sum,
     marked_computed,
+    operands_computed_together,
 )
 from jax_scaled.engine.peephole import transposed_contractions, use_counts
 from jax_scaled.engine.promotion import normalized_scalar, normalizes, promote_inputs
@@ -185,6 +186,7 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
         if any(is_blocked(v) for v in invals):
             outs, fell_back = block_dispatch.apply_rule(found, eqn, invals, source_line(eqn))
         else:
+            invals = operands_computed_together(eqn.primitive, invals)
             outs = found.rule(*invals, **eqn.params)
     return rule_output_slots(eqn, outs, fell_back)
 

@@ -138,6 +138,33 @@ def computed_together(values: Sequence[jax.Array]) -> list[jax.Array]:
     return together
 
 
+def computed_together_as_bits(values: Sequence[jax.Array]) -> list[jax.Array]:
+    """:func:`computed_together` for 0-d values of different dtypes (8, 16 or 32 bits
+    wide): their bits, widened to uint32, go through one reduction, so that a float16 datum
+    and its float32 scale share a kernel (one reduction per dtype would leave each alone,
+    and a reduction of a single value XLA folds away). Exact for every bit pattern.
+
+    Example:
+        >>> x = computed_together_as_bits([jnp.float16(-0.5), jnp.float32(2.0**-140)])
+        >>> [(v.dtype.name, v.item()) for v in x]
+        [('float16', -0.5), ('float32', 7.174648137343064e-43)]
+    """
+    bits = [lax.convert_element_type(_as_unsigned(x), jnp.uint32) for x in values]
+    together = computed_together(bits)
+    return [
+        lax.bitcast_convert_type(lax.convert_element_type(b, _unsigned(x.dtype)), x.dtype)
+        for b, x in zip(together, values, strict=True)
+    ]
+
+
+def _unsigned(dtype: Any) -> Any:
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
+
+
+def _as_unsigned(x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(x, _unsigned(x.dtype))
+
+
 # Measured on the 8-layer GPT's output scales (``docs/benchmarks.md``, "Output scales in
 # groups"): 8, 16 and 32 per kernel compile alike, one kernel of 301 about twice as slowly.
 _MOST_PER_KERNEL = 16
