@@ -36,6 +36,8 @@ these helpers where the choice matters.
   it, its schedule with it: together a quarter of the 4-layer GPT's float16 step. At most
   16 values go through one reduction: LLVM's time on a reduction body grows faster than its
   operands, and the 8-layer GPT's 301 output scales in one kernel doubled its compile time.
+  Values of different dtypes (a float16 datum and its float32 scale) go together as their
+  bits (:func:`computed_together_as_bits`).
 * **The largest magnitude of guarded data** (:func:`largest_magnitude`): one reduction kernel
   instead of three, and ``abs`` fused into large reductions.
 
