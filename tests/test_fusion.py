@@ -280,6 +280,41 @@ def test_a_global_norm_clip_keeps_its_values(scale):
         np.testing.assert_allclose(actual, value, rtol=8 * eps, atol=eps * largest)
 
 
+def built(how: str, values: jax.Array, dtype, scale: float):
+    """``values * scale`` as a ScaledArray of ``dtype`` data, built the way ``how`` names."""
+    if how == "as_scaled_array":
+        return js.as_scaled_array((values * scale).astype(dtype))
+    if how == "scaled_array":
+        return js.scaled_array(values.astype(dtype), np.float32(scale))
+    if how == "quantize":
+        return js.quantize(values * scale, dtype)
+
+    def in_jit(v):  # a power-of-two scale computed inside jit, the data divided by it
+        power = jnp.exp2(jnp.floor(jnp.log2(jnp.max(jnp.abs(v)))))
+        return js.scaled_array((v / power).astype(dtype), power * scale)
+
+    return jax.jit(in_jit)(values)
+
+
+@pytest.mark.parametrize("how", ["as_scaled_array", "scaled_array", "quantize", "in_jit"])
+@pytest.mark.parametrize(
+    "dtype, scale",
+    [(jnp.float16, 2.0**-20), (jnp.float16, 2.0**20), (jnp.float32, 2.0**-7)]
+    + [(jnp.float32, 2.0**9)],
+)
+def test_a_global_norm_through_its_root_kernel_keeps_its_value(how, dtype, scale):
+    # The square root's 0-d operand (the sum of squares of every leaf) travels as its bits
+    # through a reduction of its own: the norm must be the float64 reference's.
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    tree = {f"w{i}": built(how, jax.random.normal(k, (128, 256)), dtype, scale)
+            for i, k in enumerate(keys)}  # fmt: skip
+    got = float(js.asarray(jax.jit(js.scalify(optax.global_norm))(tree), jnp.float32))
+    leaves = [np.asarray(js.asarray(x, jnp.float32), np.float64) for x in tree.values()]
+    expected = float(np.sqrt(sum(np.sum(x * x) for x in leaves)))
+    # the squares and the sum in float32 accumulators, the root in the data's dtype
+    np.testing.assert_allclose(got, expected, rtol=4 * float(jnp.finfo(dtype).eps))
+
+
 SCHEDULED_ADAM = optax.adam(optax.cosine_decay_schedule(1e-3, decay_steps=100))
 
 
