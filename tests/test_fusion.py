@@ -19,6 +19,7 @@ import jax_scaled as js
 from jax_scaled.engine.fusion import bundle_scales
 from jax_scaled.pow2.xla import (
     computed_once,
+    computed_once_per_block,
     computed_together,
     computed_together_as_bits,
     largest_magnitude,
@@ -210,6 +211,12 @@ def test_many_values_are_computed_together_in_even_groups_of_at_most_16(count):
 def test_computed_once_is_exact_for_every_scale():
     scales = np.concatenate([[0.0], 2.0 ** np.arange(-126, 128)]).astype(np.float32)
     got = jax.jit(jax.vmap(computed_once))(scales)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), scales.view(np.uint32))
+
+
+def test_computed_once_per_block_is_exact_for_every_scale():
+    scales = (2.0 ** np.arange(-126, 128)).astype(np.float32).reshape(16, 16)
+    got = jax.jit(computed_once_per_block)(scales)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), scales.view(np.uint32))
 
 

@@ -3,6 +3,7 @@ straight-through gradients, E8M0 scales, presets, and quantize under jit, vmap a
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -280,6 +281,52 @@ def test_quantize_under_jit_matches_eager():
     eager, jitted = js.quantize(x, fmt), jax.jit(lambda x: js.quantize(x, fmt))(x)
     np.testing.assert_array_equal(np.asarray(eager.data), np.asarray(jitted.data))
     np.testing.assert_array_equal(np.asarray(eager.scale), np.asarray(jitted.scale))
+
+
+def block_inputs_of_the_data_kernel(fn, x) -> list[str]:
+    """The root opcode of each kernel whose block-shaped output is read by the kernel that
+    writes the data of the compiled ``fn(x)`` (a ScaledArray)."""
+    computations, current = {}, None
+    for line in jax.jit(fn).lower(x).compile().as_text().splitlines():
+        if line.endswith("{") and " = " not in line.split("{")[0]:
+            current = "ENTRY" if line.startswith("ENTRY") else line.split()[0]
+            computations[current] = []
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and " = " in line:
+            computations[current].append(line.strip().removeprefix("ROOT "))
+    entry = {line.split(" = ")[0]: line for line in computations["ENTRY"]}
+    data, scale = re.search(r"tuple\((%\S+), (%\S+)\)", computations["ENTRY"][-1]).groups()
+    block_shape = entry[scale].split(" = ")[1].split("{")[0]  # e.g. f8e8m0fnu[512,8]
+    roots = []
+    for operand in re.search(r"fusion\(([^)]*)\)", entry[data]).group(1).split(", "):
+        kernel = entry[operand]
+        if kernel.split(" = ")[1].split("{")[0].endswith(block_shape[block_shape.index("[") :]):
+            called = re.search(r"calls=(%\S+)", kernel).group(1).rstrip(",")
+            root = computations[called][-1]
+            roots.append(re.search(r" ([a-z\-]+)\(", root.split(" = ")[1]).group(1))
+    return roots
+
+
+STATE_BLOCKS = js.formats.BlockFormat("F16", jnp.float16, 32, scale_rounding="rceil")
+
+
+@pytest.mark.parametrize("fmt", [js.formats.MXFP8_E4M3, STATE_BLOCKS], ids=["MXFP8", "F16"])
+def test_the_kernel_writing_the_data_reads_block_scales_not_block_maxima(fmt):
+    # XLA copied the scales' derivation from the blocks' maxima into the kernel writing the
+    # elements (a quarter of a quantization's block operations, once per optimizer state
+    # leaf stored in blocks): the scales are computed once and read there.
+    x = np.random.default_rng(6).standard_normal((512, 256)).astype(np.float32)
+
+    def value(x):
+        return jnp.tanh(x) * 3.0 + x
+
+    roots = block_inputs_of_the_data_kernel(lambda x: js.quantize(value(x), fmt), x)
+    assert roots and "reduce" not in roots, roots
+    computed_in_jit = jax.jit(lambda x: js.quantize(value(x), fmt))(x)
+    passed_in = js.quantize(jax.jit(value)(x), fmt)
+    assert np.asarray(computed_in_jit.data).tobytes() == np.asarray(passed_in.data).tobytes()
+    assert np.asarray(computed_in_jit.scale).tobytes() == np.asarray(passed_in.scale).tobytes()
 
 
 def test_quantize_under_vmap_quantizes_each_example():
