@@ -43,6 +43,8 @@ class Slot:
     :mod:`jax_scaled.engine.estimates`), used to scale it if it meets a ScaledArray.
     ``any_scale`` says the value does not depend on its scale (:data:`ANY_SCALE`: zeros,
     infinities, NaNs and selections among them), so it takes the scale of what it meets.
+    ``scalar_chain`` counts the scale rules behind a 0-d ScaledArray since its data and scale
+    were last stored (:func:`~jax_scaled.engine.fusion.scalar_chains_bounded`).
     """
 
     value: Value
@@ -50,6 +52,7 @@ class Slot:
     base: jax.Array | None = None
     estimate: float | None = None
     any_scale: bool = False
+    scalar_chain: int = 0
 
     @property
     def is_scaled(self) -> bool:

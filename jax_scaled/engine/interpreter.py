@@ -39,6 +39,7 @@ from jax_scaled.engine.fusion import (
     guards_shared_sum,
     marked_computed,
     operands_computed_together,
+    scalar_chains_bounded,
 )
 from jax_scaled.engine.peephole import transposed_contractions, use_counts
 from jax_scaled.engine.promotion import normalized_scalar, normalizes, promote_inputs
@@ -188,7 +189,7 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
         else:
             invals = operands_computed_together(eqn.primitive, invals)
             outs = found.rule(*invals, **eqn.params)
-    return rule_output_slots(eqn, outs, fell_back)
+    return scalar_chains_bounded(in_slots, rule_output_slots(eqn, outs, fell_back))
 
 
 def rule_output_slots(eqn: jxi.JaxprEqn, outs: Any, block_fallback: bool = False) -> list[Slot]:
