@@ -278,6 +278,28 @@ def test_a_global_norm_is_compiled_by_kernels_that_do_not_grow_with_the_leaf_cou
     assert sizes[1] < 1.5 * sizes[0], sizes
 
 
+def norm_of_sums(xs: list) -> jax.Array:
+    """A chain of 0-d additions longer than the one stored every 16 rules, then a root."""
+    total = 0.0
+    for x in xs:
+        total = total + jnp.sum(x * x)
+    return jnp.sqrt(total)
+
+
+@pytest.mark.parametrize("transform", [jax.grad, jax.vmap], ids=["grad", "vmap"])
+def test_a_stored_scalar_chain_differentiates_and_vectorizes(transform):
+    xs = [jnp.linspace(-1.0, 2.0, 64).reshape(2, 32) * 2.0 ** (i - 10) for i in range(20)]
+
+    def scalified(xs):
+        out = js.scalify(norm_of_sums)([js.as_scaled_array(x) for x in xs])
+        return js.asarray(out, jnp.float32)
+
+    expected, got = transform(norm_of_sums)(xs), transform(scalified)(xs)
+    eps = float(jnp.finfo(jnp.float32).eps)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(g, e, rtol=4 * eps)
+
+
 @pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20], ids=["2^-20", "1", "2^20"])
 def test_a_global_norm_clip_keeps_its_values(scale):
     grads = float16_grads(8, scale)
