@@ -132,19 +132,22 @@ def scalar_chains_bounded(in_slots: list[Slot], out_slots: list[Slot]) -> list[S
 
 def _chain_bounded(slot: Slot, length: int) -> Slot:
     value = slot.value
-    if not (isinstance(value, ScaledArray) and value.ndim == 0):
-        return slot
-    if not (isinstance(value.data, jxi.Tracer) and isinstance(value.scale, jxi.Tracer)):
+    if not _traced_scalar(value):
         return slot
     if length < _LONGEST_SCALAR_CHAIN:
         return dataclasses.replace(slot, scalar_chain=length)
     return dataclasses.replace(slot, value=_data_and_scale_together(value), scalar_chain=0)
 
 
-def _data_and_scale_together(value: object) -> object:
+def _traced_scalar(value: object) -> bool:
+    """A 0-d ScaledArray whose data and scale are both traced."""
     if not (isinstance(value, ScaledArray) and value.ndim == 0):
-        return value
-    if not (isinstance(value.data, jxi.Tracer) and isinstance(value.scale, jxi.Tracer)):
+        return False
+    return isinstance(value.data, jxi.Tracer) and isinstance(value.scale, jxi.Tracer)
+
+
+def _data_and_scale_together(value: object) -> object:
+    if not _traced_scalar(value):
         return value
     data, scale = computed_together_as_bits([value.data, value.scale])
     return ScaledArray(data, scale)
