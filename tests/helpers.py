@@ -339,6 +339,21 @@ def assert_static_or_guarded_scale(out: js.ScaledArray, static_scale: float) -> 
     assert 2.0**low <= largest <= 2.0**high, (largest, band)
 
 
+def compiled_computations(fn: Callable, *args: Any) -> dict[str, list[str]]:
+    """The instruction lines of each computation of ``jit(fn)(*args)``'s optimised HLO, keyed
+    by name (the entry computation as ``"ENTRY"``), stripped, ``ROOT`` markers removed."""
+    computations, current = {}, None
+    for line in jax.jit(fn).lower(*args).compile().as_text().splitlines():
+        if line.endswith("{") and " = " not in line.split("{")[0]:
+            current = "ENTRY" if line.startswith("ENTRY") else line.split()[0]
+            computations[current] = []
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and " = " in line:
+            computations[current].append(line.strip().removeprefix("ROOT "))
+    return computations
+
+
 def load_benchmark(name: str) -> types.ModuleType:
     """``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package); it is
     registered in ``sys.modules`` first, where its dataclasses look their module up."""

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import compiled_computations
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -286,15 +287,7 @@ def test_quantize_under_jit_matches_eager():
 def block_inputs_of_the_data_kernel(fn, x) -> list[str]:
     """The root opcode of each kernel whose block-shaped output is read by the kernel that
     writes the data of the compiled ``fn(x)`` (a ScaledArray)."""
-    computations, current = {}, None
-    for line in jax.jit(fn).lower(x).compile().as_text().splitlines():
-        if line.endswith("{") and " = " not in line.split("{")[0]:
-            current = "ENTRY" if line.startswith("ENTRY") else line.split()[0]
-            computations[current] = []
-        elif line.startswith("}"):
-            current = None
-        elif current is not None and " = " in line:
-            computations[current].append(line.strip().removeprefix("ROOT "))
+    computations = compiled_computations(fn, x)
     entry = {line.split(" = ")[0]: line for line in computations["ENTRY"]}
     data, scale = re.search(r"tuple\((%\S+), (%\S+)\)", computations["ENTRY"][-1]).groups()
     block_shape = entry[scale].split(" = ")[1].split("{")[0]  # e.g. f8e8m0fnu[512,8]
