@@ -17,6 +17,7 @@ from jax_scaled.pow2.traced import (
     pow2_round_positive,
     pow2_round_sqrt,
     pow2_split,
+    pow2_sqrt_split,
 )
 
 FORMATS = [
@@ -176,3 +177,16 @@ def test_zero_factor_scale_at_every_exponent_field():
     for value, scale in zip(values, got, strict=True):
         expected = 2.0 ** min(max(-126 - _reference_exponent(value, "down"), -126), 0)
         assert scale == expected, hex(value.view(np.uint32))
+
+
+def test_sqrt_split_at_every_exponent_field():
+    """A square root's scale and data factor: ``2^floor(e/2)`` and ``2^(e mod 2)`` for the
+    exponent ``e`` :func:`pow2_exponent` documents, so zeros, subnormals, infinities, NaNs,
+    negative and non-power-of-two patterns keep the results of the exponent's halving."""
+    values = _edge_patterns().view(np.float32)
+    roots, remainders = (np.asarray(v) for v in jax.jit(pow2_sqrt_split)(values))
+    for value, root, remainder in zip(values, roots, remainders, strict=True):
+        exponent = _reference_exponent(value, "down")
+        assert (root, remainder) == (2.0 ** (exponent // 2), 2.0 ** (exponent % 2)), hex(
+            value.view(np.uint32)
+        )

@@ -28,6 +28,7 @@ from jax_scaled.pow2.static import (
     MIN_SCALE_EXPONENT,
     SQRT2_MANTISSA_BITS,
     Rounding,
+    static_pow2_bits,
 )
 
 
@@ -283,6 +284,39 @@ def pow2_ratio(numerator, denominator) -> jax.Array:
     biased = lax.select(lax.eq(d_biased, np.int32(0)), lax.full_like(biased, 255), biased)  # x/0
     biased = lax.select(lax.eq(n_biased, np.int32(0)), lax.full_like(biased, 0), biased)  # 0/y
     return lax.bitcast_convert_type(lax.shift_left(biased, np.int32(MANTISSA_BITS)), jnp.float32)
+
+
+def pow2_sqrt_split(scale) -> tuple[jax.Array, jax.Array]:
+    """``(2^k, 2^r)`` with ``|scale| = 2^(2k + r)``, ``r`` in ``{0, 1}``: a square root's
+    scale and the factor its data keeps, with integer operations on the exponent field.
+
+    Same results as taking :func:`pow2_exponent` of ``scale`` and halving it (a zero or a
+    subnormal counts as ``2^-126``, a non-finite value as ``1``), in half the operations: the
+    biased exponent ``b`` of ``2^k`` is ``(b(scale) + 127) >> 1`` and ``r`` is bit 23 of
+    ``b(scale) + 1``. Square roots of every Adam update and every normalisation run it.
+
+    Example:
+        >>> [float(v) for v in pow2_sqrt_split(jnp.float32(2.0**-7))]
+        [0.0625, 2.0]
+    """
+    magnitude = _magnitude_bits(scale)
+    normal = lax.max(magnitude, _SMALLEST_NORMAL_BITS)
+    bits = _select(_not_finite(magnitude), _ONE_BITS, normal)
+    root = lax.shift_left(
+        lax.shift_right_logical(lax.add(bits, _ONE_BITS), np.int32(MANTISSA_BITS + 1)),
+        np.int32(MANTISSA_BITS),
+    )
+    odd = lax.bitwise_and(lax.add(bits, _LOWEST_EXPONENT_BIT), _LOWEST_EXPONENT_BIT)
+    remainder = lax.add(odd, _ONE_BITS)
+    return _as_float32_bits(root), _as_float32_bits(remainder)
+
+
+_ONE_BITS = np.int32(static_pow2_bits(0))
+_LOWEST_EXPONENT_BIT = np.int32(1 << MANTISSA_BITS)
+
+
+def _as_float32_bits(bits: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def pow2_round_sqrt(x, rounding: Rounding | str = Rounding.DOWN) -> jax.Array:

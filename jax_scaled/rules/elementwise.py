@@ -20,6 +20,8 @@ from jax_scaled.pow2.traced import (
     floor_divide_exponent,
     pow2_exponent,
     pow2_from_exponent,
+    pow2_reciprocal,
+    pow2_sqrt_split,
 )
 from jax_scaled.pow2.xla import float_division
 from jax_scaled.rules.toolkit import align_selection, has_static_scale
@@ -375,15 +377,17 @@ def square_rule(x: ScaledArray, **params) -> ScaledArray:
 @register_scale_rule(lax.sqrt_p, properties=Property.FOLDS_SCALARS)
 def sqrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(2k+r) gives scale 2^k, data sqrt(d * 2^r)."""
-    data, k = _root_split(x, 2)
-    return ScaledArray(lax.sqrt(data).astype(x.dtype), make_scale(pow2_from_exponent(k), x))
+    root, remainder = pow2_sqrt_split(scale_f32(x))
+    data = lax.sqrt(times_scalar(_wide(x), remainder))
+    return ScaledArray(data.astype(x.dtype), make_scale(root, x))
 
 
 @register_scale_rule(lax.rsqrt_p, properties=Property.FOLDS_SCALARS)
 def rsqrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(2k+r) gives scale 2^-k, data rsqrt(d * 2^r)."""
-    data, k = _root_split(x, 2)
-    return ScaledArray(lax.rsqrt(data).astype(x.dtype), make_scale(pow2_from_exponent(-k), x))
+    root, remainder = pow2_sqrt_split(scale_f32(x))
+    data = lax.rsqrt(times_scalar(_wide(x), remainder))
+    return ScaledArray(data.astype(x.dtype), make_scale(pow2_reciprocal(root), x))
 
 
 @register_scale_rule(lax.cbrt_p, properties=Property.POINTWISE)
