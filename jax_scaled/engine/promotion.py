@@ -24,13 +24,11 @@ from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine.facts import Slot
 from jax_scaled.memo import memoized
 from jax_scaled.pow2.static import (
-    EXPONENT_BIAS,
     EXPONENT_FIELD,
-    MANTISSA_BITS,
     static_pow2_bits,
     static_pow2_split,
 )
-from jax_scaled.pow2.traced import as_float32, biased_exponent
+from jax_scaled.pow2.traced import as_float32
 from jax_scaled.pow2.xla import computed_together
 
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
@@ -83,14 +81,20 @@ def zero_factor_scale(other_scale: jax.Array) -> jax.Array:
         with np.errstate(divide="ignore"):
             scale = _SMALLEST_NORMAL / other_scale.astype(np.float32)
         return np.clip(scale, _SMALLEST_NORMAL, 1.0).astype(other_scale.dtype)
-    # 2^-126 / 2^e = 2^(-126 - e), on the biased exponent fields (b = e + 127, so the
+    # 2^-126 / 2^e = 2^(-126 - e), on the exponent fields in place (b = e + 127, so the
     # quotient's is 128 - b), clamped to [2^-126, 1]: zeros and subnormals (b = 0) give 1,
     # infinities (b = 255) 2^-126. A float division would be a kernel of its own in XLA:CPU,
-    # once for every promoted operand.
-    biased = lax.bitwise_and(biased_exponent(other_scale), np.int32(0xFF))  # sign bit off
-    quotient = lax.clamp(np.int32(1), lax.sub(np.int32(128), biased), np.int32(EXPONENT_BIAS))
-    power = lax.shift_left(quotient, np.int32(MANTISSA_BITS))
-    return lax.bitcast_convert_type(power, jnp.float32).astype(other_scale.dtype)
+    # once for every promoted operand; this is copied into each reader, so it is kept short.
+    bits = lax.bitcast_convert_type(as_float32(other_scale), jnp.int32)
+    field = lax.bitwise_and(bits, _EXPONENT_FIELD)  # sign and mantissa off
+    quotient = lax.clamp(_SMALLEST_NORMAL_FIELD, lax.sub(_QUOTIENT_FIELD, field), _ONE_FIELD)
+    return lax.bitcast_convert_type(quotient, jnp.float32).astype(other_scale.dtype)
+
+
+_EXPONENT_FIELD = np.int32(EXPONENT_FIELD)
+_SMALLEST_NORMAL_FIELD = np.int32(static_pow2_bits(-126))
+_QUOTIENT_FIELD = np.int32(static_pow2_bits(1))  # 2^-126 / 2^e has the field 2^1's minus 2^e's
+_ONE_FIELD = np.int32(static_pow2_bits(0))
 
 
 def split_scalar(base: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
