@@ -76,7 +76,7 @@ from jax_scaled.pow2.traced import (
     pow2_ratio,
     pow2_reciprocal,
 )
-from jax_scaled.pow2.xla import computed_once_per_block
+from jax_scaled.pow2.xla import computed_once_per_block, stored_once
 from jax_scaled.primitives import stop_scaling
 from jax_scaled.scales import centre_exponent, top_of_format
 
@@ -292,6 +292,7 @@ def _quantize(
     value: jax.Array, fmt: BlockFormat, block_shape: tuple[int, ...] | None
 ) -> ScaledArray:
     """``value`` (float32) quantized to ``fmt`` in blocks of ``block_shape``."""
+    value = stored_once(value)  # read by the blocks' maxima and by the elements' kernel
     scale = lax.stop_gradient(block_scales(value, fmt, block_shape))
     if scale.ndim:  # the kernel writing the elements reads them, not the blocks' maxima
         scale = computed_once_per_block(scale)

@@ -23,6 +23,7 @@ from jax_scaled.pow2.xla import (
     computed_together,
     computed_together_as_bits,
     largest_magnitude,
+    stored_once,
 )
 from jax_scaled.scales.guard import guard_band, guard_factors, largest_biased_exponent
 
@@ -220,6 +221,17 @@ def test_computed_once_per_block_is_exact_for_every_scale():
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), scales.view(np.uint32))
 
 
+def test_stored_once_keeps_every_float32_bit_pattern():
+    # Every exponent field with mantissas at both ends and in between, both signs: zeros,
+    # subnormals, the largest finite value, infinities, quiet and signalling NaNs.
+    fields = np.arange(256, dtype=np.uint32) << 23
+    mantissas = np.array([0, 1, 0x2AAAAA, 0x400000, 0x7FFFFE, 0x7FFFFF], np.uint32)
+    patterns = (fields[:, None] | mantissas[None, :]).ravel()
+    patterns = np.concatenate([patterns, patterns | np.uint32(0x80000000)])
+    got = jax.jit(stored_once)(patterns.view(np.float32))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), patterns)
+
+
 def clipped_update(grads):
     """``optax.clip_by_global_norm``'s update: every leaf reads the global norm."""
     updates, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
@@ -391,6 +403,28 @@ def test_a_scheduled_adam_update_keeps_its_values(scale):
     for key, value in plain_params.items():
         actual = js.asarray(params[key])
         np.testing.assert_allclose(actual, value, rtol=steps * eps, atol=update_error)
+
+
+def test_a_moment_stored_in_blocks_is_computed_for_its_store_and_its_update_only():
+    # The new second moment is read by the update (m / (sqrt(v) + eps)) and by its storage in
+    # float16 blocks, which reads it twice (the blocks' maxima, the elements): XLA computed it
+    # in three kernels. It is now stored once for the storage's two reads.
+    opt = js.optim.scaled_state(optax.adam(1e-3), jnp.float16)
+    params = {"w": jax.random.normal(jax.random.PRNGKey(4), (256, 512)) / 16}
+    grads = {"w": js.scaled_array(jax.random.normal(jax.random.PRNGKey(5), (256, 512)), 2.0**-8)}
+    state = opt.init(params)
+
+    def step(grads, state, params):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    computations = compiled_computations(js.scalify(step), grads, state, params)
+    squaring = [
+        name
+        for name, lines in computations.items()
+        if any("f32[256,512]" in line and "integer_pow" in line for line in lines)
+    ]
+    assert len(squaring) == 2, squaring
 
 
 def residual_inputs(depth: int) -> tuple:

@@ -32,6 +32,13 @@ these helpers where the choice matters.
   largest magnitudes into the kernel that writes the elements, about 25 block-shaped
   operations per quantized tensor (every optimizer state leaf stored in blocks, every MX
   operand): 3.5% of the 1-layer GPT's ``fp8_policy_scalify`` step.
+* **A quantized value stored once** (:func:`stored_once`): the same remainder on data, by
+  infinity (exact for every finite value, subnormals included; non-finite values are
+  selected past it). A block quantization reads its value twice, in the blocks' maxima and
+  in the kernel writing the elements, and XLA computed the value again in each: an
+  optimizer state leaf stored in blocks had its new moment worked out three times (the
+  third in the parameter's update, which reads the moment before it is stored), an MX
+  operand its producer twice. 5.8% of the 4-layer GPT's ``fp8_policy_scalify`` step.
 * **One kernel for several values** (:func:`computed_together`): an identity that is a
   variadic reduction, which XLA neither copies into its readers nor simplifies away (a
   reduction of one operand it folds). The range guard's two factors were worked out
@@ -132,6 +139,21 @@ def computed_once_per_block(scales: jax.Array) -> jax.Array:
         True
     """
     return lax.rem(scales, np.full(scales.shape, _ABOVE_EVERY_SCALE))
+
+
+def stored_once(value: jax.Array) -> jax.Array:
+    """``value`` (a float array), bit for bit, computed once by XLA and stored for all the
+    kernels that read it, rather than worked out again in each (see the module notes):
+    ``fmod(value, inf)``, which is ``value`` for every finite value, with infinities and NaNs
+    selected past it (``fmod`` turns them into NaN).
+
+    Example:
+        >>> x = jnp.array([-0.0, 2.0**-140, 3.5, -jnp.inf], jnp.float32)
+        >>> bool(jnp.all(jax.jit(stored_once)(x).view(jnp.uint32) == x.view(jnp.uint32)))
+        True
+    """
+    remainder = lax.rem(value, lax.full_like(value, np.inf))
+    return lax.select(lax.is_finite(value), remainder, value)
 
 
 def computed_together(values: Sequence[jax.Array]) -> list[jax.Array]:
