@@ -292,7 +292,8 @@ def _quantize(
     value: jax.Array, fmt: BlockFormat, block_shape: tuple[int, ...] | None
 ) -> ScaledArray:
     """``value`` (float32) quantized to ``fmt`` in blocks of ``block_shape``."""
-    value = stored_once(value)  # read by the blocks' maxima and by the elements' kernel
+    if block_shape is not None:  # read by the blocks' maxima and by the elements' kernel
+        value = stored_once(value)
     scale = lax.stop_gradient(block_scales(value, fmt, block_shape))
     if scale.ndim:  # the kernel writing the elements reads them, not the blocks' maxima
         scale = computed_once_per_block(scale)
