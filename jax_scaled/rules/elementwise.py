@@ -312,10 +312,15 @@ def _wide(x: ScaledArray) -> jax.Array:
 
 
 def _root_split(x: ScaledArray, n: int) -> tuple[jax.Array, jax.Array]:
-    """``(d * 2^r, k)`` in the compute dtype with ``s = 2^(n*k + r)``, ``0 <= r < n``."""
+    """``(d * 2^r, 2^k)``, the data in the compute dtype, with ``s = 2^(n*k + r)``,
+    ``0 <= r < n``; a square root's on the exponent field in place (:func:`pow2_sqrt_split`)."""
+    if n == 2:
+        root, remainder = pow2_sqrt_split(scale_f32(x))
+        return times_scalar(_wide(x), remainder), root
     exponent = pow2_exponent(scale_f32(x))
     k = floor_divide_exponent(exponent, n)
-    return times_scalar(_wide(x), pow2_from_exponent(lax.sub(exponent, lax.mul(k, np.int32(n))))), k
+    remainder = pow2_from_exponent(lax.sub(exponent, lax.mul(k, np.int32(n))))
+    return times_scalar(_wide(x), remainder), pow2_from_exponent(k)
 
 
 @register_scale_rule(lax.integer_pow_p, properties=Property.FOLDS_SCALARS)
@@ -377,24 +382,22 @@ def square_rule(x: ScaledArray, **params) -> ScaledArray:
 @register_scale_rule(lax.sqrt_p, properties=Property.FOLDS_SCALARS)
 def sqrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(2k+r) gives scale 2^k, data sqrt(d * 2^r)."""
-    root, remainder = pow2_sqrt_split(scale_f32(x))
-    data = lax.sqrt(times_scalar(_wide(x), remainder))
-    return ScaledArray(data.astype(x.dtype), make_scale(root, x))
+    data, root = _root_split(x, 2)
+    return ScaledArray(lax.sqrt(data).astype(x.dtype), make_scale(root, x))
 
 
 @register_scale_rule(lax.rsqrt_p, properties=Property.FOLDS_SCALARS)
 def rsqrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(2k+r) gives scale 2^-k, data rsqrt(d * 2^r)."""
-    root, remainder = pow2_sqrt_split(scale_f32(x))
-    data = lax.rsqrt(times_scalar(_wide(x), remainder))
-    return ScaledArray(data.astype(x.dtype), make_scale(pow2_reciprocal(root), x))
+    data, root = _root_split(x, 2)
+    return ScaledArray(lax.rsqrt(data).astype(x.dtype), make_scale(pow2_reciprocal(root), x))
 
 
 @register_scale_rule(lax.cbrt_p, properties=Property.POINTWISE)
 def cbrt_rule(x: ScaledArray, **params) -> ScaledArray:
     """Exact: s = 2^(3k+r) gives scale 2^k, data cbrt(d * 2^r)."""
-    data, k = _root_split(x, 3)
-    return ScaledArray(lax.cbrt(data).astype(x.dtype), make_scale(pow2_from_exponent(k), x))
+    data, root = _root_split(x, 3)
+    return ScaledArray(lax.cbrt(data).astype(x.dtype), make_scale(root, x))
 
 
 # ---------------------------------------------------------------------------------------
