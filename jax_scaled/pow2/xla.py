@@ -41,11 +41,13 @@ these helpers where the choice matters.
   operand its producer twice. 5.8% of the 4-layer GPT's ``fp8_policy_scalify`` step.
 * **One kernel for several values** (:func:`computed_together`): an identity that is a
   variadic reduction, which XLA neither copies into its readers nor simplifies away (a
-  reduction of one operand it folds). The range guard's two factors were worked out
-  again in the kernel that writes the guarded data and in every kernel that reads its
-  scale, and a traced scalar promoted into a rule's operand (a scheduled learning rate, a
-  bias correction) was split into mantissa and power of two inside every kernel that read
-  it, its schedule with it: together a quarter of the 4-layer GPT's float16 step. At most
+  reduction of one operand it folds). A traced scalar promoted into a rule's operand (a
+  scheduled learning rate, a bias correction) was split into mantissa and power of two
+  inside every kernel that read it, its schedule with it, and the range guard's two
+  factors were worked out again in the kernel that writes the guarded data and in every
+  kernel that reads its scale: together a quarter of the 4-layer GPT's float16 step. (The
+  guard has since left it: one factor :func:`computed_once` and the other divided out of
+  it (:func:`float_division`) need no reduction and no region.) At most
   16 values go through one reduction: LLVM's time on a reduction body grows faster than its
   operands, and the 8-layer GPT's 301 output scales in one kernel doubled its compile time.
   Values of different dtypes (a float16 datum and its float32 scale) go together as their

@@ -29,7 +29,7 @@ from jax_scaled.pow2.static import (
     static_pow2_exponent,
 )
 from jax_scaled.pow2.traced import biased_exponent, pow2_from_exponent
-from jax_scaled.pow2.xla import computed_together, largest_magnitude
+from jax_scaled.pow2.xla import computed_once, float_division, largest_magnitude
 from jax_scaled.scales.values import Value, make_scale, scale_f32, scale_mul, times_scalar
 
 
@@ -179,11 +179,15 @@ def guard_factors(
     When the largest datum ``2^e`` of ``wide / 2^divisor_exponent`` leaves the band, ``e``
     is moved to the band's target; otherwise, and for data that is all zero or holds an
     infinity, ``up`` is 1 (the static scale is kept). Worked out on the bits of the largest
-    magnitude, without branches or float division, and computed by one kernel of its own
-    (:func:`~jax_scaled.pow2.xla.computed_together`): XLA copied it into the kernel that
-    writes the guarded data and into every kernel that reads its scale (the 4-layer GPT's
-    float16 step compiled to 50.8k instructions instead of 42.1k). The shift is clamped at
-    ``2^-126`` so that both factors stay normal floats, which the kernel returns exactly.
+    magnitude, without branches: ``up`` in a small kernel of its own
+    (:func:`~jax_scaled.pow2.xla.computed_once`), ``down`` divided out of it
+    (:func:`~jax_scaled.pow2.xla.float_division`), two operations XLA does not copy into
+    their readers. Copied, the chain was compiled again in the kernel that writes the
+    guarded data and in every kernel that reads its scale (the 4-layer GPT's float16 step:
+    50.8k instructions instead of 42.1k); carried by a variadic reduction, both factors
+    cost a reduction and its region per guard (4% of the 1-layer GPT's float16 step). The
+    shift is clamped at ``2^-126`` so that both factors stay normal floats, which makes the
+    division exact.
 
     Example:
         >>> down, up = guard_factors(jnp.array([2.0**17, 2.0]), jnp.float16)
@@ -207,9 +211,10 @@ def guard_factors(
     # The exponent field moved to the target: the largest datum's (no lower than 2^-126
     # times the target), or the target's own when nothing moves.
     centre = lax.select(outside, lax.max(exponent_bits, field(target - 126)), field(target))
-    up = lax.sub(centre, field(target - EXPONENT_BIAS))
-    down = lax.sub(field(target + EXPONENT_BIAS - divisor_exponent), centre)
-    down, up = computed_together([lax.bitcast_convert_type(f, jnp.float32) for f in (down, up)])
+    up_bits = lax.sub(centre, field(target - EXPONENT_BIAS))
+    up = computed_once(lax.bitcast_convert_type(up_bits, jnp.float32))
+    # Exact: both factors are normal powers of two.
+    down = float_division(np.float32(2.0**-divisor_exponent), up)
     return down, up
 
 
