@@ -16,6 +16,7 @@ from jax_scaled.pow2.traced import (
     pow2_round,
     pow2_round_positive,
     pow2_round_sqrt,
+    pow2_smallest_normal_over,
     pow2_split,
     pow2_sqrt_split,
 )
@@ -171,9 +172,10 @@ def test_exponent_and_round_at_every_exponent_field(rounding):
         assert power == (1.0 if no_scale else 2.0**expected), hex(value.view(np.uint32))
 
 
-def test_zero_factor_scale_at_every_exponent_field():
+@pytest.mark.parametrize("quotient", [zero_factor_scale, pow2_smallest_normal_over])
+def test_zero_factor_scale_at_every_exponent_field(quotient):
     values = _edge_patterns().view(np.float32)
-    got = np.asarray(jax.jit(jax.vmap(zero_factor_scale))(values))
+    got = np.asarray(jax.jit(jax.vmap(quotient))(values))
     for value, scale in zip(values, got, strict=True):
         expected = 2.0 ** min(max(-126 - _reference_exponent(value, "down"), -126), 0)
         assert scale == expected, hex(value.view(np.uint32))

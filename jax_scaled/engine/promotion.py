@@ -28,7 +28,7 @@ from jax_scaled.pow2.static import (
     static_pow2_bits,
     static_pow2_split,
 )
-from jax_scaled.pow2.traced import as_float32
+from jax_scaled.pow2.traced import as_float32, pow2_smallest_normal_over
 from jax_scaled.pow2.xla import computed_together
 
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
@@ -81,20 +81,7 @@ def zero_factor_scale(other_scale: jax.Array) -> jax.Array:
         with np.errstate(divide="ignore"):
             scale = _SMALLEST_NORMAL / other_scale.astype(np.float32)
         return np.clip(scale, _SMALLEST_NORMAL, 1.0).astype(other_scale.dtype)
-    # 2^-126 / 2^e = 2^(-126 - e), on the exponent fields in place (b = e + 127, so the
-    # quotient's is 128 - b), clamped to [2^-126, 1]: zeros and subnormals (b = 0) give 1,
-    # infinities (b = 255) 2^-126. A float division would be a kernel of its own in XLA:CPU,
-    # once for every promoted operand; this is copied into each reader, so it is kept short.
-    bits = lax.bitcast_convert_type(as_float32(other_scale), jnp.int32)
-    field = lax.bitwise_and(bits, _EXPONENT_FIELD)  # sign and mantissa off
-    quotient = lax.clamp(_SMALLEST_NORMAL_FIELD, lax.sub(_QUOTIENT_FIELD, field), _ONE_FIELD)
-    return lax.bitcast_convert_type(quotient, jnp.float32).astype(other_scale.dtype)
-
-
-_EXPONENT_FIELD = np.int32(EXPONENT_FIELD)
-_SMALLEST_NORMAL_FIELD = np.int32(static_pow2_bits(-126))
-_QUOTIENT_FIELD = np.int32(static_pow2_bits(1))  # 2^-126 / 2^e has the field 2^1's minus 2^e's
-_ONE_FIELD = np.int32(static_pow2_bits(0))
+    return pow2_smallest_normal_over(other_scale).astype(other_scale.dtype)
 
 
 def split_scalar(base: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

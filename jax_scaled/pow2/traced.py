@@ -315,6 +315,28 @@ _ONE_BITS = np.int32(static_pow2_bits(0))
 _LOWEST_EXPONENT_BIT = np.int32(1 << MANTISSA_BITS)
 
 
+def pow2_smallest_normal_over(scale) -> jax.Array:
+    """``2^-126 / scale`` for a float32 power of two ``scale``, clamped to ``[2^-126, 1]``:
+    zeros and subnormals give 1, infinities ``2^-126`` (the sign is ignored).
+
+    On the exponent fields in place (``2^e`` has the field ``b = e + 127``, the quotient
+    ``128 - b``): four operations, because XLA copies them into every reader (a promoted
+    zero's scale is read by each parameter's update), where a float division would be a
+    kernel of its own for every promoted operand.
+
+    Example:
+        >>> float(pow2_smallest_normal_over(jnp.float32(2.0**-100))) == 2.0**-26
+        True
+    """
+    bits = lax.bitcast_convert_type(as_float32(scale), jnp.int32)
+    field = lax.bitwise_and(bits, _EXPONENT_FIELD_INT)  # sign and mantissa off
+    quotient = lax.clamp(_SMALLEST_NORMAL_BITS, lax.sub(_TWO_BITS, field), _ONE_BITS)
+    return _as_float32_bits(quotient)
+
+
+_TWO_BITS = np.int32(static_pow2_bits(1))  # 2^-126 / 2^e has the field 2^1's minus 2^e's
+
+
 def _as_float32_bits(bits: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
