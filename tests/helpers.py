@@ -373,3 +373,19 @@ def residual_loss(weights: Sequence[Any], x: Any, activation: Callable = jax.nn.
         normed = (h - jnp.mean(h, -1, keepdims=True)) * lax.rsqrt(jnp.var(h, -1, keepdims=True))
         h = h + activation(normed @ w)
     return jnp.mean(h**2)
+
+
+def built(how: str, values: jax.Array, dtype, scale: float):
+    """``values * scale`` as a ScaledArray of ``dtype`` data, built the way ``how`` names."""
+    if how == "as_scaled_array":
+        return js.as_scaled_array((values * scale).astype(dtype))
+    if how == "scaled_array":
+        return js.scaled_array(values.astype(dtype), np.float32(scale))
+    if how == "quantize":
+        return js.quantize(values * scale, dtype)
+
+    def in_jit(v):  # a power-of-two scale computed inside jit, the data divided by it
+        power = jnp.exp2(jnp.floor(jnp.log2(jnp.max(jnp.abs(v)))))
+        return js.scaled_array((v / power).astype(dtype), power * scale)
+
+    return jax.jit(in_jit)(values)

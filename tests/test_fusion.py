@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import compiled_computations, residual_loss
+from helpers import built, compiled_computations, residual_loss
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -346,22 +346,6 @@ def test_a_global_norm_clip_keeps_its_values(scale):
         actual = np.asarray(js.asarray(got[key], jnp.float32), np.float64)
         largest = float(np.max(np.abs(value)))
         np.testing.assert_allclose(actual, value, rtol=8 * eps, atol=eps * largest)
-
-
-def built(how: str, values: jax.Array, dtype, scale: float):
-    """``values * scale`` as a ScaledArray of ``dtype`` data, built the way ``how`` names."""
-    if how == "as_scaled_array":
-        return js.as_scaled_array((values * scale).astype(dtype))
-    if how == "scaled_array":
-        return js.scaled_array(values.astype(dtype), np.float32(scale))
-    if how == "quantize":
-        return js.quantize(values * scale, dtype)
-
-    def in_jit(v):  # a power-of-two scale computed inside jit, the data divided by it
-        power = jnp.exp2(jnp.floor(jnp.log2(jnp.max(jnp.abs(v)))))
-        return js.scaled_array((v / power).astype(dtype), power * scale)
-
-    return jax.jit(in_jit)(values)
 
 
 @pytest.mark.parametrize("how", ["as_scaled_array", "scaled_array", "quantize", "in_jit"])

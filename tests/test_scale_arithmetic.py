@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import built
 from hypothesis import given
 from hypothesis import strategies as st
 from jax import lax
@@ -151,7 +152,8 @@ def test_static_output_scale_stays_static(scale, scale_dtype):
 
 
 def split(value, dtype=jnp.float32):
-    mantissa, scale, any_scale = promotion.split_scalar(jnp.asarray(value, dtype))
+    mantissa, scale, any_scale, factor_floor = promotion.split_scalar(jnp.asarray(value, dtype))
+    assert float(factor_floor) == (2.0**-126 if any_scale else float(scale))
     return float(mantissa), float(scale), bool(any_scale)
 
 
@@ -189,10 +191,11 @@ def test_traced_scalar_split_under_jit_keeps_every_bit_pattern(bits):
     # Compiled, the split is computed in a kernel of its own (a reduction): a subnormal,
     # kept as its own mantissa, must not be flushed to zero there.
     value = jnp.asarray(np.array(bits, np.uint32).view(np.float32))
-    mantissa, scale, any_scale = jax.jit(promotion.split_scalar)(value)
+    mantissa, scale, any_scale, factor_floor = jax.jit(promotion.split_scalar)(value)
     expected = reference_split(np.uint32(bits))
     assert np.asarray(mantissa).tobytes() == expected[0].tobytes(), hex(bits)
     assert (float(scale), bool(any_scale)) == (float(expected[1]), expected[2])
+    assert float(factor_floor) == (2.0**-126 if expected[2] else float(expected[1]))
 
 
 def test_traced_scalar_split_of_narrow_formats():
@@ -359,3 +362,30 @@ def test_configs_and_memos_are_per_thread():
         thread.join()
         seen.append((current_config().rounding, None))
     assert seen == [("down", 0), ("up", None)]
+
+
+@pytest.mark.parametrize("how", ["as_scaled_array", "scaled_array", "quantize", "in_jit"])
+@pytest.mark.parametrize(
+    "dtype, scale", [(jnp.float16, 2.0**-20), (jnp.float16, 2.0**20), (jnp.float32, 2.0**-7)]
+)
+@pytest.mark.parametrize("factor", [0.0, -0.0, 0.375, -3.0e5, np.inf])
+def test_a_traced_scalar_factor_scales_the_product_as_documented(how, dtype, scale, factor):
+    """``x * s`` with ``s`` a scalar computed in the step (a scheduled learning rate): a
+    normal ``s`` multiplies the scale by its power of two; a zero (a warmup's first step) or
+    an infinity puts the product at ``2^-126`` (``zero_factor_scale``), worked out by one
+    clamp in each reading kernel. (A 0-d input of the step itself multiplies the data.)"""
+    if how == "as_scaled_array" and dtype == jnp.float16 and scale > 1:
+        pytest.skip("float16 data cannot hold values near 2^20")
+    x = built(how, jax.random.normal(jax.random.key(3), (128, 256)), dtype, scale)
+    out = jax.jit(js.scalify(lambda x, s: x * (s * 2.0)))(x, jnp.float32(factor / 2))
+    x_scale = float(x.scale)
+    if factor == 0 or not np.isfinite(factor):
+        expected_scale = x_scale * min(max(2.0**-126 / x_scale, 2.0**-126), 1.0)
+    else:
+        expected_scale = x_scale * 2.0 ** np.floor(np.log2(abs(factor)))
+    assert float(out.scale) == expected_scale
+    with np.errstate(invalid="ignore"):
+        expected = np.asarray(js.asarray(x), np.float64) * factor
+    got = np.asarray(js.asarray(out), np.float64)
+    np.testing.assert_allclose(got, expected, rtol=float(jnp.finfo(out.dtype).eps), atol=0)
+    assert np.array_equal(np.signbit(got), np.signbit(expected))

@@ -24,17 +24,12 @@ from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine.facts import Slot
 from jax_scaled.memo import memoized
 from jax_scaled.pow2.static import (
-    EXPONENT_FIELD,
-    static_pow2_bits,
     static_pow2_split,
 )
-from jax_scaled.pow2.traced import as_float32, pow2_smallest_normal_over
+from jax_scaled.pow2.traced import as_float32, pow2_smallest_normal_over, split_bits
 from jax_scaled.pow2.xla import computed_together
 
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
-
-_SIGN_AND_MANTISSA = ~EXPONENT_FIELD
-_MAGNITUDE = np.uint32(0x7FFFFFFF)
 
 
 def promote_inputs(in_slots: list[Slot], multiplicative: bool = False) -> list[Value]:
@@ -66,7 +61,8 @@ def promote_inputs(in_slots: list[Slot], multiplicative: bool = False) -> list[V
     else:
         reference = lambda: scale  # noqa: E731
     scale_dtype = current_config().scale_dtype or scale.dtype
-    return [promote(s, reference, scale_dtype) for s in in_slots]
+    factor_of = scale if multiplicative else None
+    return [promote(s, reference, scale_dtype, factor_of) for s in in_slots]
 
 
 def zero_factor_scale(other_scale: jax.Array) -> jax.Array:
@@ -84,41 +80,46 @@ def zero_factor_scale(other_scale: jax.Array) -> jax.Array:
     return pow2_smallest_normal_over(other_scale).astype(other_scale.dtype)
 
 
-def split_scalar(base: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(mantissa, scale, any_scale)`` of a 0-d float value: for a normal float32 number,
-    its exact split into a mantissa in ``[1, 2)`` (signed) and a power of two, with bit
-    operations; for anything else (zero, subnormal, infinity, NaN), the value at scale 1.
-    ``any_scale`` is true for zeros, infinities and NaNs, the same at any scale.
+def split_scalar(base: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(mantissa, scale, any_scale, factor_floor)`` of a 0-d float value: for a normal
+    float32 number, its exact split into a mantissa in ``[1, 2)`` (signed) and a power of
+    two, with bit operations; for anything else (zero, subnormal, infinity, NaN), the value
+    at scale 1. ``any_scale`` is true for zeros, infinities and NaNs, the same at any scale.
+    ``factor_floor`` is the lowest scale the value takes as a factor of a product: ``2^-126``
+    where ``any_scale`` holds, its own scale otherwise (see :func:`promote`).
 
-    All three are computed by one kernel of their own
+    All four are computed by one kernel of their own
     (:func:`~jax_scaled.pow2.xla.computed_together`): the value is typically a learning
     rate or a bias correction read by every parameter's update, and XLA would otherwise
     copy its whole chain (the schedule, then the split) into each of their kernels.
 
     Example:
         >>> [x.item() for x in split_scalar(jnp.float32(-6.0))]
-        [-1.5, 4.0, False]
+        [-1.5, 4.0, False, 4.0]
+        >>> [x.item() == 2.0**-126 for x in split_scalar(jnp.float32(0.0))]
+        [False, False, False, True]
     """
-    value = lax.convert_element_type(base, np.float32)
-    bits = lax.bitcast_convert_type(value, np.uint32)
-    exponent_bits = lax.bitwise_and(bits, EXPONENT_FIELD)
-    infinite_or_nan = lax.eq(exponent_bits, EXPONENT_FIELD)
-    normal = lax.bitwise_and(lax.ne(exponent_bits, np.uint32(0)), lax.bitwise_not(infinite_or_nan))
-    unit = lax.bitwise_or(lax.bitwise_and(bits, _SIGN_AND_MANTISSA), static_pow2_bits(0))
-    mantissa_bits = lax.select(normal, unit, bits)
-    scale_bits = lax.select(normal, exponent_bits, static_pow2_bits(0))
-    zero = lax.eq(lax.bitwise_and(bits, _MAGNITUDE), np.uint32(0))
-    any_scale = lax.convert_element_type(lax.bitwise_or(zero, infinite_or_nan), np.uint32)
+    parts = split_bits(lax.convert_element_type(base, np.float32))
     # As bits: a subnormal value, its own mantissa, must not meet a flushing float max.
-    mantissa_bits, scale_bits, any_scale = computed_together([mantissa_bits, scale_bits, any_scale])
-    mantissa = lax.bitcast_convert_type(mantissa_bits, np.float32)
-    scale = lax.bitcast_convert_type(scale_bits, np.float32)
-    return mantissa, scale, lax.ne(any_scale, np.uint32(0))
+    mantissa, scale, any_scale, floor = computed_together(list(parts))
+    as_float = functools.partial(lax.bitcast_convert_type, new_dtype=np.float32)
+    return as_float(mantissa), as_float(scale), lax.ne(any_scale, np.int32(0)), as_float(floor)
 
 
-def promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) -> Value:
+def promote(
+    slot: Slot,
+    reference: Callable[[], jax.Array],
+    scale_dtype: Any,
+    factor_of: jax.Array | None = None,
+) -> Value:
     """``slot``'s value as a ScaledArray when its static facts allow; ``reference()`` gives the
     scale for values that are the same at any scale (zeros, infinities, NaNs).
+
+    ``factor_of`` is the other operand's scale in a multiplicative rule: a traced scalar
+    that is zero at run time then takes :func:`zero_factor_scale` of it, worked out from the
+    split's ``factor_floor`` by one clamp (``pow2_smallest_normal_over``) rather than a
+    selection between two scales. XLA copies it into every kernel that reads the product,
+    each parameter's update for a learning rate: half as many operations there.
 
     Example:
         >>> from jax_scaled.engine.facts import Slot
@@ -143,9 +144,14 @@ def promote(slot: Slot, reference: Callable[[], jax.Array], scale_dtype: Any) ->
         # A numpy (static) scale tells rules this operand is a trace-time constant.
         return ScaledArray(data, np.asarray(scale, np.float32).astype(scale_dtype))
     if slot.base is not None:
-        mantissa, scale, any_scale = memoized("split", slot.base, lambda: split_scalar(slot.base))
-        # A traced zero (or inf, nan) is the same at any scale: take the other operand's.
-        scale = lax.select(any_scale, as_float32(reference()), scale)
+        split = memoized("split", slot.base, lambda: split_scalar(slot.base))
+        mantissa, scale, any_scale, factor_floor = split
+        # A traced zero (or inf, nan) is the same at any scale: take the other operand's, or
+        # in a product the scale that puts the product at 2^-126 (a clamp to [floor, scale]).
+        if factor_of is not None:
+            scale = pow2_smallest_normal_over(factor_of, factor_floor, scale)
+        else:
+            scale = lax.select(any_scale, as_float32(reference()), scale)
         mantissa = lax.convert_element_type(mantissa, value.dtype)
         data = lax.broadcast_in_dim(mantissa, value.shape, ())
         return ScaledArray(data, lax.convert_element_type(scale, scale_dtype))

@@ -315,9 +315,11 @@ _ONE_BITS = np.int32(static_pow2_bits(0))
 _LOWEST_EXPONENT_BIT = np.int32(1 << MANTISSA_BITS)
 
 
-def pow2_smallest_normal_over(scale) -> jax.Array:
-    """``2^-126 / scale`` for a float32 power of two ``scale``, clamped to ``[2^-126, 1]``:
-    zeros and subnormals give 1, infinities ``2^-126`` (the sign is ignored).
+def pow2_smallest_normal_over(scale, floor=None, ceiling=None) -> jax.Array:
+    """``2^-126 / scale`` for a float32 power of two ``scale``, clamped to ``[floor,
+    ceiling]`` (float32 powers of two, ``[2^-126, 1]`` by default): zeros and subnormals
+    give the ceiling, infinities the floor (the sign is ignored). A ``floor`` equal to the
+    ``ceiling`` gives it whatever ``scale`` is.
 
     On the exponent fields in place (``2^e`` has the field ``b = e + 127``, the quotient
     ``128 - b``): four operations, because XLA copies them into every reader (a promoted
@@ -327,14 +329,51 @@ def pow2_smallest_normal_over(scale) -> jax.Array:
     Example:
         >>> float(pow2_smallest_normal_over(jnp.float32(2.0**-100))) == 2.0**-26
         True
+        >>> float(pow2_smallest_normal_over(jnp.float32(2.0**-100), 8.0, 8.0))
+        8.0
     """
+    low = _SMALLEST_NORMAL_BITS if floor is None else _int32_bits(floor)
+    high = _ONE_BITS if ceiling is None else _int32_bits(ceiling)
     bits = lax.bitcast_convert_type(as_float32(scale), jnp.int32)
     field = lax.bitwise_and(bits, _EXPONENT_FIELD_INT)  # sign and mantissa off
-    quotient = lax.clamp(_SMALLEST_NORMAL_BITS, lax.sub(_TWO_BITS, field), _ONE_BITS)
+    quotient = lax.clamp(low, lax.sub(_TWO_BITS, field), high)
     return _as_float32_bits(quotient)
 
 
+def _int32_bits(x) -> jax.Array:
+    return lax.bitcast_convert_type(as_float32(x), jnp.int32)
+
+
 _TWO_BITS = np.int32(static_pow2_bits(1))  # 2^-126 / 2^e has the field 2^1's minus 2^e's
+
+
+def split_bits(value: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The int32 bits of ``(mantissa, scale, any_scale, factor_floor)`` of a float32 0-d
+    ``value``: for a normal number, its exact split into a signed mantissa in ``[1, 2)``
+    and a power of two; for anything else, the value itself at scale 1. ``any_scale`` (0 or
+    1) marks zeros, infinities and NaNs, the same at any scale; ``factor_floor`` is
+    ``2^-126`` for them and the scale otherwise (the floor of
+    :func:`pow2_smallest_normal_over`). Int32, as the readers' exponent-field arithmetic
+    takes them.
+
+    Example:
+        >>> [hex(int(b)) for b in split_bits(jnp.float32(-6.0))]
+        ['-0x40400000', '0x40800000', '0x0', '0x40800000']
+    """
+    bits = lax.bitcast_convert_type(value, jnp.int32)
+    field = lax.bitwise_and(bits, _EXPONENT_FIELD_INT)
+    not_finite = lax.eq(field, _EXPONENT_FIELD_INT)
+    normal = lax.bitwise_and(lax.ne(field, np.int32(0)), lax.bitwise_not(not_finite))
+    unit = lax.bitwise_or(lax.bitwise_and(bits, ~_EXPONENT_FIELD_INT), _ONE_BITS)
+    scale = lax.select(normal, field, _ONE_BITS)
+    zero = lax.eq(lax.bitwise_and(bits, _MAGNITUDE_BITS), np.int32(0))
+    any_scale = lax.bitwise_or(zero, not_finite)
+    factor_floor = lax.select(any_scale, _SMALLEST_NORMAL_BITS, scale)
+    mantissa = lax.select(normal, unit, bits)
+    return mantissa, scale, lax.convert_element_type(any_scale, jnp.int32), factor_floor
+
+
+_MAGNITUDE_BITS = np.int32(0x7FFFFFFF)
 
 
 def _as_float32_bits(bits: jax.Array) -> jax.Array:
