@@ -23,9 +23,7 @@ from jax_scaled.config import current_config
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine.facts import Slot
 from jax_scaled.memo import memoized
-from jax_scaled.pow2.static import (
-    static_pow2_split,
-)
+from jax_scaled.pow2.static import static_pow2_split
 from jax_scaled.pow2.traced import as_float32, pow2_smallest_normal_over, split_bits
 from jax_scaled.pow2.xla import computed_together
 
