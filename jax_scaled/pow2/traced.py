@@ -141,16 +141,16 @@ def pow2_round(x, rounding: Rounding | str = Rounding.DOWN) -> jnp.ndarray:
 
 
 # Integer (int32) forms of float32 bit patterns for the functions above: the exponent field,
-# 2^-126's and 2^127's patterns.
+# the magnitude (all but the sign), 2^-126's and 2^127's patterns.
 _EXPONENT_FIELD_INT = np.int32(EXPONENT_FIELD)
+_MAGNITUDE_BITS = np.int32(0x7FFFFFFF)
 _SMALLEST_NORMAL_BITS = np.int32((MIN_SCALE_EXPONENT + EXPONENT_BIAS) << MANTISSA_BITS)
 _LARGEST_POW2_BITS = np.int32((MAX_SCALE_EXPONENT + EXPONENT_BIAS) << MANTISSA_BITS)
 
 
 def _magnitude_bits(x) -> jnp.ndarray:
     """The bits of ``|x|`` as float32, as a non-negative int32."""
-    bits = lax.bitcast_convert_type(lax.convert_element_type(x, jnp.float32), jnp.int32)
-    return lax.bitwise_and(bits, np.int32(0x7FFFFFFF))
+    return lax.bitwise_and(_int32_bits(x), _MAGNITUDE_BITS)
 
 
 def _rounded_up_bits(magnitude: jnp.ndarray, rounding: Rounding | str) -> jnp.ndarray:
@@ -334,8 +334,7 @@ def pow2_smallest_normal_over(scale, floor=None, ceiling=None) -> jax.Array:
     """
     low = _SMALLEST_NORMAL_BITS if floor is None else _int32_bits(floor)
     high = _ONE_BITS if ceiling is None else _int32_bits(ceiling)
-    bits = lax.bitcast_convert_type(as_float32(scale), jnp.int32)
-    field = lax.bitwise_and(bits, _EXPONENT_FIELD_INT)  # sign and mantissa off
+    field = lax.bitwise_and(_int32_bits(scale), _EXPONENT_FIELD_INT)  # sign and mantissa off
     quotient = lax.clamp(low, lax.sub(_TWO_BITS, field), high)
     return _as_float32_bits(quotient)
 
@@ -360,7 +359,7 @@ def split_bits(value: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.A
         >>> [hex(int(b)) for b in split_bits(jnp.float32(-6.0))]
         ['-0x40400000', '0x40800000', '0x0', '0x40800000']
     """
-    bits = lax.bitcast_convert_type(value, jnp.int32)
+    bits = _int32_bits(value)
     field = lax.bitwise_and(bits, _EXPONENT_FIELD_INT)
     not_finite = lax.eq(field, _EXPONENT_FIELD_INT)
     normal = lax.bitwise_and(lax.ne(field, np.int32(0)), lax.bitwise_not(not_finite))
@@ -371,9 +370,6 @@ def split_bits(value: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.A
     factor_floor = lax.select(any_scale, _SMALLEST_NORMAL_BITS, scale)
     mantissa = lax.select(normal, unit, bits)
     return mantissa, scale, lax.convert_element_type(any_scale, jnp.int32), factor_floor
-
-
-_MAGNITUDE_BITS = np.int32(0x7FFFFFFF)
 
 
 def _as_float32_bits(bits: jax.Array) -> jax.Array:
