@@ -15,7 +15,7 @@ from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine import estimates
 from jax_scaled.engine.facts import converted_fact
 from jax_scaled.engine.registry import Property, register_scale_rule
-from jax_scaled.pow2.static import EXPONENT_BIAS, MIN_SCALE_EXPONENT
+from jax_scaled.pow2.static import MIN_SCALE_EXPONENT
 from jax_scaled.pow2.traced import (
     floor_divide_exponent,
     pow2_exponent,
@@ -31,8 +31,8 @@ from jax_scaled.scales import (
     centred,
     from_compute,
     guard_band,
+    guard_factors,
     guarded,
-    largest_biased_exponent,
     make_scale,
     max_scale,
     min_scale,
@@ -40,7 +40,6 @@ from jax_scaled.scales import (
     rounded_l2_scale,
     scale_f32,
     scale_mul,
-    shift_into_scale,
     sums_guarded,
     times_scalar,
     to_compute,
@@ -334,10 +333,11 @@ def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     into the scale (value unchanged) whenever the largest ``|d|^y`` would leave the guard
     band; ``t`` puts ``max |d|`` in ``[1, 2)``. Healthy data gives the static result.
     """
-    shift = _power_guard_exponent(x, y)
     wide, scale = _wide(x), scale_f32(x)
-    if shift is not None:
-        wide, scale = shift_into_scale(wide, scale, shift)
+    factors = _power_guard_factors(wide, x.dtype, y)
+    if factors is not None:
+        down, up = factors
+        wide, scale = times_scalar(wide, down), scale_mul(scale, up)
     data, scale = _power_with_scale_in_range(wide, scale, y)
     if products_guarded(x.dtype):  # 8-bit: a cube of in-band data can overflow
         return centred(data, scale, x.dtype, x)
@@ -360,17 +360,17 @@ def _power_with_scale_in_range(
     return times_scalar(lax.integer_pow(wide, y), excess), pow2_from_exponent(kept, clamp=False)
 
 
-def _power_guard_exponent(x: ScaledArray, y: int) -> jax.Array | None:
-    """The exponent ``t`` to move out of the data before raising it to ``y`` (see
-    :func:`integer_pow_rule`), or None where no guard applies."""
-    band = guard_band(x.dtype)
-    if y < 2 or band is None or x.size == 0:
+def _power_guard_factors(wide: jax.Array, dtype, y: int) -> tuple | None:
+    """``(down, up)`` that move ``max |d|`` into ``[1, 2)`` before raising the data to ``y``
+    (see :func:`integer_pow_rule`), or None where no guard applies: the range guard's
+    factors (:func:`~jax_scaled.scales.guard.guard_factors`, one small kernel and a
+    division, not copied into each reader) for the band of exponents ``e`` with ``y * e``
+    in the format's band, and target ``2^0``."""
+    band = guard_band(dtype)
+    if y < 2 or band is None:
         return None
     low, high, _ = band
-    biased = largest_biased_exponent(_wide(x))
-    exponent = lax.clamp(np.int32(-126), biased - EXPONENT_BIAS, np.int32(126))
-    outside = (y * exponent >= high) | (y * exponent < low)
-    return lax.select(outside & (biased > 0), exponent, np.int32(0))
+    return guard_factors(wide, dtype, band=(-(-low // y), -(-high // y), 0))
 
 
 @register_scale_rule(lax.square_p, properties=Property.FOLDS_SCALARS, fold=np.square)

@@ -28,7 +28,6 @@ from jax_scaled.pow2.static import (
     static_pow2_bits,
     static_pow2_exponent,
 )
-from jax_scaled.pow2.traced import biased_exponent, pow2_from_exponent
 from jax_scaled.pow2.xla import computed_once, float_division, largest_magnitude
 from jax_scaled.scales.values import Value, make_scale, scale_f32, scale_mul, times_scalar
 
@@ -216,32 +215,6 @@ def guard_factors(
     # Exact: both factors are normal powers of two.
     down = float_division(np.float32(2.0**-divisor_exponent), up)
     return down, up
-
-
-def largest_biased_exponent(wide: jax.Array) -> jax.Array:
-    """The biased float32 exponent (int32) of the largest ``|datum|`` of ``wide``: ``e + 127``
-    for a largest magnitude in ``[2^e, 2^(e+1))``; 0 when every datum is zero (or a float32
-    subnormal), and 0 as well when a datum is infinite (data that has already overflowed
-    is not shifted). A NaN gives 0 or is ignored, depending on how XLA compiles the
-    reduction. It runs on every guarded output.
-
-    Example:
-        >>> int(largest_biased_exponent(jnp.array([0.75, -3.0]))) - 127
-        1
-        >>> int(largest_biased_exponent(jnp.array([0.75, jnp.inf])))
-        0
-    """
-    biased = biased_exponent(largest_magnitude(wide))
-    return lax.select(biased == 255, np.int32(0), biased)
-
-
-def shift_into_scale(
-    wide: jax.Array, scale: jax.Array, shift: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """``(wide * 2^-shift, scale * 2^shift)``: the same value, ``shift`` (an int32 in
-    ``[-126, 126]``) moved from the data into the scale."""
-    down = pow2_from_exponent(lax.neg(shift), clamp=False)
-    return times_scalar(wide, down), scale_mul(scale, pow2_from_exponent(shift, clamp=False))
 
 
 def guarded(
