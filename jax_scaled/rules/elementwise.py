@@ -370,7 +370,8 @@ def _power_guard_factors(wide: jax.Array, dtype, y: int) -> tuple | None:
     if y < 2 or band is None:
         return None
     low, high, _ = band
-    return guard_factors(wide, dtype, band=(-(-low // y), -(-high // y), 0))
+    ceil_low, ceil_high = -(-low // y), -(-high // y)  # y * e >= bound  <=>  e >= ceil
+    return guard_factors(wide, dtype, band=(ceil_low, ceil_high, 0))
 
 
 @register_scale_rule(lax.square_p, properties=Property.FOLDS_SCALARS, fold=np.square)
