@@ -206,7 +206,7 @@ def _rebalanced(x: ScaledArray, factor: jax.Array) -> ScaledArray:
     The new scale is computed once (:func:`~jax_scaled.pow2.xla.computed_once`): derived
     from the data's statistic, it was worked out again in every kernel reading the rescaled
     data or its scale (3.5% of the 1-layer GPT's ``fp8_policy_scalify`` step, whose
-    gradients, state and parameters are rescaled)."""
+    gradients and float16 master weights are rescaled every step)."""
     scale = scale_f32(x)
     new_scale = computed_once(pow2_round_positive(scale * factor))  # in [2^-126, 2^127]
     return ScaledArray(rescale(x.data, scale / new_scale), make_scale(new_scale, x))
