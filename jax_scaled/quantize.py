@@ -71,9 +71,7 @@ from jax_scaled.formats import (
 from jax_scaled.pow2.static import EXPONENT_BIAS, EXPONENT_FIELD, MANTISSA_BITS
 from jax_scaled.pow2.traced import (
     biased_exponent,
-    pow2_exponent,
     pow2_from_exponent,
-    pow2_ratio,
     pow2_reciprocal,
 )
 from jax_scaled.pow2.xla import computed_once_per_block, stored_once
@@ -81,7 +79,7 @@ from jax_scaled.primitives import stop_scaling
 from jax_scaled.scales import centre_exponent, top_of_format
 
 _MANTISSA_MASK = np.uint32((1 << MANTISSA_BITS) - 1)
-# int32 forms of float32 bit fields, for _divide.
+# int32 forms of float32 bit fields, for block_scales and _divide.
 _EXPONENT_FIELD = np.int32(EXPONENT_FIELD)
 _MANTISSA_FIELD = np.int32(_MANTISSA_MASK)
 _SIGN_BIT = np.int32(-(2**31))
@@ -297,7 +295,7 @@ def _quantize(
     scale = lax.stop_gradient(block_scales(value, fmt, block_shape))
     if scale.ndim:  # the kernel writing the elements reads them, not the blocks' maxima
         scale = computed_once_per_block(scale)
-    data = _to_elements(value, scale, fmt.element_dtype)
+    data = _to_elements(value, scale, fmt.element_dtype, fmt.scale_rounding == "rceil")
     return ScaledArray._trusted(data, scale.astype(fmt.scale_dtype))
 
 
@@ -323,11 +321,19 @@ def block_scales(
     amax = _block_amax(value, None if block_shape is None else tuple(block_shape))
     top = _top(fmt.element_dtype)
     emax = int(np.frexp(top)[1]) - 1
-    exponent = lax.sub(pow2_exponent(amax), np.int32(emax))  # floor(log2(amax)) - emax
-    if fmt.scale_rounding == "rceil":  # + 1 where amax's mantissa is above top's
-        above = lax.gt(_mantissa_field(amax), top.view(np.uint32) & _MANTISSA_MASK)
-        exponent = lax.add(exponent, lax.convert_element_type(above, jnp.int32))
-    return pow2_from_exponent(exponent)  # clamped to [2^-126, 2^127]
+    # floor(log2(amax)) - emax on the exponent field of amax (finite, not negative): a zero
+    # or subnormal amax counts as 2^-126, and the scale is clamped to [2^-126, 2^127].
+    amax_bits = lax.bitcast_convert_type(amax, jnp.int32)
+    field = lax.sub(lax.bitwise_and(amax_bits, _EXPONENT_FIELD), np.int32(emax << MANTISSA_BITS))
+    top_mantissa = top.view(np.uint32) & _MANTISSA_MASK
+    if fmt.scale_rounding == "rceil" and top_mantissa != _MANTISSA_MASK:
+        # + 1 where amax's mantissa is above top's (never, for a top with a full mantissa)
+        above = lax.gt(lax.bitwise_and(amax_bits, _MANTISSA_FIELD), np.int32(top_mantissa))
+        field = lax.add(field, lax.shift_left(above.astype(jnp.int32), np.int32(MANTISSA_BITS)))
+    field = lax.max(field, np.int32(1 << MANTISSA_BITS))
+    if emax < 1:  # the scale of the largest amax could pass 2^127
+        field = lax.min(field, np.int32(EXPONENT_FIELD - (1 << MANTISSA_BITS)))
+    return lax.bitcast_convert_type(field, jnp.float32)
 
 
 def _top(dtype: np.dtype) -> np.float32:
@@ -355,15 +361,18 @@ def _block_amax(value: jax.Array, block_shape: tuple[int, ...] | None) -> jax.Ar
     return jnp.max(magnitude.reshape(interleaved), axis=block_axes)
 
 
-def _mantissa_field(x: jax.Array) -> jax.Array:
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    return lax.bitwise_and(bits, _MANTISSA_MASK)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _to_elements(value: jax.Array, scale: jax.Array, element_dtype: np.dtype) -> jax.Array:
-    """``value / scale`` (block scales) rounded to the element format, saturating."""
-    return round_to_format(_divide(value, scale), element_dtype)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _to_elements(
+    value: jax.Array, scale: jax.Array, element_dtype: np.dtype, in_range: bool
+) -> jax.Array:
+    """``value / scale`` (block scales) rounded to the element format, saturating.
+    ``in_range``: the scales are ``rceil``'s, under which no finite quotient passes the
+    format's largest value, so that only the cast is left of the rounding (where the format
+    is its own storage dtype)."""
+    quotient = _divide(value, scale)
+    if in_range and storage_dtype(element_dtype) == np.dtype(element_dtype):
+        return quotient.astype(element_dtype)
+    return round_to_format(quotient, element_dtype)
 
 
 def _divide(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -384,16 +393,25 @@ def _divide(x: jax.Array, scale: jax.Array) -> jax.Array:
     # constant into the block factor, a product that is itself subnormal.
     unit = lax.sub(lax.bitcast_convert_type(mantissa, jnp.int32), _MANTISSA_BITS_IN_FIELD)
     raised = lax.bitwise_or(lax.max(unit, np.int32(0)), lax.bitwise_and(bits, _SIGN_BIT))
-    below_normal = expand_scale(pow2_ratio(np.float32(2.0**-126), scale), x.shape)
+    below_normal = expand_scale(_below_normal_factor(scale), x.shape)
     from_subnormal = lax.mul(lax.bitcast_convert_type(raised, jnp.float32), below_normal)
     return lax.select(subnormal, from_subnormal, x * expand_scale(pow2_reciprocal(scale), x.shape))
 
 
+def _below_normal_factor(scale: jax.Array) -> jax.Array:
+    """``2^-126 / scale`` for block scales in ``[2^-126, 2^127]``, on the exponent field
+    (``2^-e`` has bits ``(254 << 23) - bits(2^e)``, and 2^-126 is 126 binades lower); 0
+    where the quotient is below float32's normal range."""
+    bits = lax.bitcast_convert_type(scale, jnp.int32)
+    quotient = lax.sub(np.int32((EXPONENT_BIAS + 1) << MANTISSA_BITS), bits)
+    return lax.bitcast_convert_type(lax.max(quotient, np.int32(0)), jnp.float32)
+
+
 @_to_elements.defjvp
-def _to_elements_jvp(element_dtype: np.dtype, primals, tangents):
+def _to_elements_jvp(element_dtype: np.dtype, in_range: bool, primals, tangents):
     """Straight-through: the tangent is divided by the scale, neither rounded nor clipped."""
     (value, scale), (tangent, _) = primals, tangents
-    out = _to_elements(value, scale, element_dtype)
+    out = _to_elements(value, scale, element_dtype, in_range)
     return out, (tangent / expand_scale(scale, value.shape)).astype(out.dtype)
 
 

@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import jax_scaled as js
+from jax_scaled.array import expand_scale
 from jax_scaled.formats import storage_dtype
 from jax_scaled.quantize import _divide, tracing_for_scalify
+from jax_scaled.scales import centre_exponent
 
 ELEMENTS = [f.element_dtype for f in js.formats.MX_FORMATS]
 ROUNDINGS = ["floor", "rceil"]
@@ -40,10 +42,14 @@ def _interleaved(shape, blocks):
     return [n for g, b in zip([s // b for s, b in zip(shape, blocks)], blocks) for n in (g, b)]
 
 
-def reference(x: np.ndarray, dtype, block_shape, rounding: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(data in the element format, float64 scales)`` computed in float64 with numpy."""
+def reference(
+    x: np.ndarray, dtype, block_shape, rounding: str, top: float | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(data in the element format, float64 scales)`` computed in float64 with numpy;
+    ``top``: the value a block's largest magnitude maps near (the format's largest by
+    default, as for 8 bits and fewer)."""
     x = np.asarray(x, np.float64)
-    top = float(ml_dtypes.finfo(dtype).max)
+    top = float(ml_dtypes.finfo(dtype).max) if top is None else top
     emax = np.frexp(top)[1] - 1
     blocks = x.shape if block_shape is None else block_shape
     tiled = x.reshape(_interleaved(x.shape, blocks))
@@ -57,14 +63,17 @@ def reference(x: np.ndarray, dtype, block_shape, rounding: str) -> tuple[np.ndar
     exponent = np.clip(np.where(amax == 0, -126, exponent), -126, 127)
     scale = np.ldexp(1.0, exponent)
     scaled = tiled / scale
-    scaled = np.where(np.isfinite(scaled), np.clip(scaled, -top, top), scaled)
+    largest = float(ml_dtypes.finfo(dtype).max)
+    scaled = np.where(np.isfinite(scaled), np.clip(scaled, -largest, largest), scaled)
     data = scaled.reshape(x.shape).astype(dtype)
     grid = [s // b for s, b in zip(x.shape, blocks)]
     return data, scale.reshape(grid if block_shape is not None else ())
 
 
-def assert_matches_reference(q: js.ScaledArray, x, dtype, block_shape, rounding: str) -> None:
-    data, scale = reference(x, dtype, block_shape, rounding)
+def assert_matches_reference(
+    q: js.ScaledArray, x, dtype, block_shape, rounding: str, top: float | None = None
+) -> None:
+    data, scale = reference(x, dtype, block_shape, rounding, top)
     assert q.data.dtype == storage_dtype(dtype)
     expected = data.astype(storage_dtype(dtype)).view(np.uint8)  # float6: exact in E4M3
     np.testing.assert_array_equal(np.asarray(q.data).view(np.uint8), expected)
@@ -143,6 +152,29 @@ def test_quantize_is_bit_exact_on_any_float32(dtype, rounding, x, layout):
     """Every float32, subnormals, +-0, +-inf and the largest finite values included."""
     q = js.quantize(x, dtype, block_shape=layout, scale_rounding=rounding)
     assert_matches_reference(q, x, dtype, layout, rounding)
+
+
+@pytest.mark.parametrize("layout", ["per-row", "1x32", "32x1"])
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=str)
+@given(x=block_structured())
+def test_wide_element_formats_are_bit_exact(dtype, rounding, layout, x):
+    """16-bit elements (optimizer state in blocks): a block's largest magnitude maps just
+    below ``2^(t+1)``, ``t`` the format's centre, so no element comes near the format's top.
+    A bfloat16 element whose quotient by its scale is below float32's normal range may be
+    flushed to zero of its sign (XLA's CPU backend flushes subnormal results; float16's
+    smallest value is far above)."""
+    top = float(np.nextafter(np.float32(2.0 ** (centre_exponent(dtype) + 1)), np.float32(0)))
+    blocks = LAYOUTS[layout]
+    q = js.quantize(x, dtype, block_shape=blocks, scale_rounding=rounding)
+    data, scale = reference(x, dtype, blocks, rounding, top)
+    np.testing.assert_array_equal(np.asarray(q.scale, np.float64), scale)
+    quotient = x / np.asarray(expand_scale(scale, x.shape), np.float64)
+    got, expected = np.asarray(q.data, np.float32), data.astype(np.float32)
+    exact = got.view(np.uint32) == expected.view(np.uint32)
+    flushed = (got == 0) & (np.signbit(got) == np.signbit(expected))
+    assert np.all(exact | (flushed & (np.abs(quotient) < 2.0**-126)))
+    assert q.data.dtype == dtype
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
@@ -320,6 +352,22 @@ def test_the_kernel_writing_the_data_reads_block_scales_not_block_maxima(fmt):
     passed_in = js.quantize(jax.jit(value)(x), fmt)
     assert np.asarray(computed_in_jit.data).tobytes() == np.asarray(passed_in.data).tobytes()
     assert np.asarray(computed_in_jit.scale).tobytes() == np.asarray(passed_in.scale).tobytes()
+
+
+def test_float16_state_blocks_are_quantized_without_range_checks():
+    # Block storage of optimizer state (float16, rceil, a top with a full mantissa): no
+    # amax's mantissa is above the top's and no element passes the format's largest value,
+    # so the compiled quantization holds no round-up comparison and no clamp (it held three
+    # clamps and one comparison: 132 HLO instructions a leaf, 88 without).
+    x = np.random.default_rng(7).standard_normal((128, 512)).astype(np.float32)
+
+    def compiled_lines(fmt):
+        bodies = compiled_computations(lambda x: js.quantize(x, fmt), x).values()
+        return [line for body in bodies for line in body]
+
+    checks = [line for line in compiled_lines(STATE_BLOCKS) if " clamp(" in line or "=GT" in line]
+    assert not checks, checks
+    assert any(" clamp(" in line for line in compiled_lines(js.formats.MXFP8_E4M3))  # saturates
 
 
 def test_quantize_under_vmap_quantizes_each_example():
