@@ -2,6 +2,7 @@
 
     python benchmarks/hlo_anatomy.py                      # fp32 and fp16_scalify, 1 layer
     python benchmarks/hlo_anatomy.py --configs fp8_policy_scalify --layers 2 --lines 15
+    python benchmarks/hlo_anatomy.py --configs fp16_raw,fp16_scalify --part grads
 
 For each configuration of ``benchmarks/model_scale.py`` (the Table 3 GPT's train step, built
 the same way), the optimised HLO module is split into:
@@ -20,6 +21,12 @@ metadata) whose equations compiled to the most instructions. Equations scalify a
 any user equation (operand promotion, shared scales computed once, output scales) carry the
 line that lowered the step, listed as ``(scalify's own)``; ``(none)`` is what has no
 metadata (parameters, constants, kernel calls).
+
+``--part`` compiles less than the step, to tell the model's share from the optimizer's:
+``grads``, the loss's value and gradients only (forward and backward, in the
+configuration's parameter storage); ``plain-optimizer``, those gradients turned into plain
+float32 arrays and applied by the plain float32 optimizer of ``fp32``: the size a step
+would have if the optimizer's update cost what a plain program's does.
 """
 
 from __future__ import annotations
@@ -34,8 +41,14 @@ from collections.abc import Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import model_scale as ms  # noqa: E402
+import optax  # noqa: E402
 
+import jax_scaled as js  # noqa: E402
+
+PARTS = ("step", "grads", "plain-optimizer")
 KINDS = ("tensor ops", "scalar ops in tensor kernels", "scalar-only computations", "entry",
          "plumbing")  # fmt: skip
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
@@ -163,12 +176,38 @@ def compiled_step_text(name: str, size, layout: str, params, batch) -> str:
     return runner.step.lower(*runner.state, *batch).compile().as_text()
 
 
+def compiled_part_text(name: str, size, layout: str, params, batch, part: str) -> str:
+    """The optimised HLO text of ``part`` (one of :data:`PARTS`, see the module notes) of
+    configuration ``name``'s train step."""
+    if part == "step":
+        return compiled_step_text(name, size, layout, params, batch)
+    precision = ms.PRECISIONS[name]
+    model = ms.make_model(name, size.model_config(ms.VOCAB), layout)
+    grads = jax.value_and_grad(ms.table3.make_loss(model, precision))
+    grads = js.scalify(grads) if precision.scalify else grads
+    stored = ms.build(name, size, layout, params).state[0]
+    if part == "grads":
+        return jax.jit(grads).lower(stored, *batch).compile().as_text()
+    opt = ms.table3.make_optimizer(size, ms.PRECISIONS["fp32"])
+
+    def step(stored, params, opt_state, inputs, targets):
+        value, g = js.asarray(grads(stored, inputs, targets))
+        g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    args = (stored, params, opt.init(params), *batch)
+    return jax.jit(step).lower(*args).compile().as_text()
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default="fp32,fp16_scalify")
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--layout", default="unrolled", choices=("unrolled", "scan"))
     parser.add_argument("--lines", type=int, default=10, help="source lines to list")
+    parser.add_argument("--part", default="step", choices=PARTS,
+                        help="what to compile (see the module notes)")  # fmt: skip
     args = parser.parse_args(argv)
     args.configs = args.configs.split(",")
     unknown = sorted(set(args.configs) - set(ms.PRECISIONS))
@@ -183,8 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = ms.init_params(size.model_config(ms.VOCAB), args.layout, 0)
     batch = ms.batch_of(size)
     for name in args.configs:
-        text = compiled_step_text(name, size, args.layout, params, batch)
-        print("\n".join(report(name, args.layers, args.layout, anatomy(text), args.lines)))
+        text = compiled_part_text(name, size, args.layout, params, batch, args.part)
+        label = name if args.part == "step" else f"{name} ({args.part})"
+        print("\n".join(report(label, args.layers, args.layout, anatomy(text), args.lines)))
     return 0
 
 

@@ -40,3 +40,17 @@ def test_kinds_add_up_and_lines_are_attributed():
 def test_unknown_config_is_an_error():
     with pytest.raises(SystemExit):
         hlo_anatomy.parse_args(["--configs", "fp64"])
+
+
+def test_the_step_s_parts_compile_less_than_the_step():
+    # grads: forward and backward only; plain-optimizer: those grads and optax in float32
+    params = ms.init_params(TINY.model_config(ms.VOCAB), "unrolled", 0)
+    batch = ms.batch_of(TINY)
+    counts = {
+        part: ms.hlo_instructions(
+            hlo_anatomy.compiled_part_text("fp16_scalify", TINY, "unrolled", params, batch, part)
+        )
+        for part in hlo_anatomy.PARTS
+    }
+    assert counts["grads"] < counts["plain-optimizer"] < counts["step"], counts
+    assert hlo_anatomy.parse_args(["--part", "grads"]).part == "grads"
