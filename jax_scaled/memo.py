@@ -65,6 +65,32 @@ def memoized(kind: str, key: Any, compute: Callable[[], T]) -> T:
     return value
 
 
+def recorded(kind: str, key: Any) -> Any | None:
+    """What :func:`memoized` holds for ``kind`` and the traced ``key`` under the current trace,
+    or None (nothing computed yet, no :func:`scale_memo` block, a concrete ``key``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> seen = []
+        >>> def f(x):
+        ...     with scale_memo():
+        ...         seen.append(recorded("double", x))
+        ...         doubled = memoized("double", x, lambda: x * 2)
+        ...         seen.append(recorded("double", x) is doubled)
+        ...     return doubled
+        >>> float(jax.jit(f)(jnp.float32(1.0))), seen
+        (2.0, [None, True])
+    """
+    memo = context.current().memo
+    if memo is None or not isinstance(key, jxi.Tracer):
+        return None
+    trace = jxi.current_trace()
+    entry = memo.get((kind, id(key), id(trace)))
+    if entry is None or entry[0] is not key or entry[1] is not trace:
+        return None
+    return entry[2]
+
+
 def memo_size() -> int:
     """Entries in the innermost :func:`scale_memo` block (0 outside any)."""
     memo = context.current().memo

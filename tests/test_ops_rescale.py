@@ -10,6 +10,7 @@ import pytest
 from helpers import (
     FLOAT_DTYPES,
     assert_pow2_scales,
+    built,
     check_e8m0_matches,
     compiled_computations,
     random_data,
@@ -17,9 +18,11 @@ from helpers import (
 )
 from hypothesis import given
 from hypothesis import strategies as st
+from jax.extend.core import jaxprs_in_params
 
 import jax_scaled as js
 from jax_scaled import ops
+from jax_scaled.rules.casts import saturate
 
 RESCALE = {
     "l1": ops.dynamic_rescale_l1,
@@ -171,6 +174,64 @@ def test_a_rescaled_scale_is_computed_once_for_its_readers(norm):
     assert sum(" remainder(" in line for line in lines) == 1
     y = js.scalify(lambda x: RESCALE[norm](x * 3.0))(x)
     assert_same_value(y, js.scalify(lambda x: x * 3.0)(x))
+
+
+HOW = ["as_scaled_array", "scaled_array", "quantize", "in_jit"]
+
+
+def _heavy_tailed(seed: int, shape=(128, 512)) -> np.ndarray:
+    """Gaussian data with outliers up to 2^12 times larger, zeros and subnormal-size entries:
+    its largest datum lands far outside float16's guard band once the RMS is at 1."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape)
+    x.flat[rng.integers(0, x.size, 16)] *= 2.0 ** rng.integers(1, 13, 16)
+    x.flat[rng.integers(0, x.size, 64)] = 0.0
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20])
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("norm", list(RESCALE))
+def test_a_rescaled_cast_is_guarded_from_the_rescale_s_largest_magnitude(norm, how, scale):
+    # New float16 master weights are rescaled, saturated and cast: the cast's range guard
+    # reads the largest magnitude the rescale took (multiplied and clipped as the data is)
+    # instead of reducing the data again. Same bits as a guard that reduces it afresh.
+    def rescaled(x):
+        return saturate(RESCALE[norm](x * 1.0), jnp.float16)
+
+    def cast(y):
+        return y.astype(jnp.float16)
+
+    x = built(how, jnp.asarray(_heavy_tailed(5)), jnp.float32, scale)
+    together = jax.jit(js.scalify(lambda x: cast(rescaled(x))))(x)
+    apart = jax.jit(js.scalify(cast))(jax.jit(js.scalify(rescaled))(x))
+    assert np.asarray(together.data).tobytes() == np.asarray(apart.data).tobytes()
+    assert np.asarray(together.scale).tobytes() == np.asarray(apart.scale).tobytes()
+    jaxpr = jax.make_jaxpr(js.scalify(lambda x: cast(rescaled(x))))(x)
+    assert sum(e.primitive.name == "reduce_max" for e in _all_eqns(jaxpr.jaxpr)) == 1
+
+
+@pytest.mark.parametrize("special", [0.0, np.inf, np.nan])
+def test_a_rescaled_cast_of_zero_or_non_finite_data_is_guarded_as_before(special):
+    def rescaled_cast(x):
+        return saturate(ops.dynamic_rescale_l2(x * 1.0), jnp.float16)
+
+    values = np.full((64, 64), special, np.float32) if special == 0.0 else _heavy_tailed(6)
+    values.flat[7] = special
+    x = js.as_scaled_array(jnp.asarray(values))
+    together = jax.jit(js.scalify(lambda x: rescaled_cast(x).astype(jnp.float16)))(x)
+    apart = jax.jit(js.scalify(lambda y: y.astype(jnp.float16)))(
+        jax.jit(js.scalify(rescaled_cast))(x)
+    )
+    assert np.asarray(together.data).tobytes() == np.asarray(apart.data).tobytes()
+    assert np.asarray(together.scale).tobytes() == np.asarray(apart.scale).tobytes()
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _all_eqns(sub)
 
 
 # --- identities outside scalify ----------------------------------------------------------

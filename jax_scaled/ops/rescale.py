@@ -38,6 +38,7 @@ from jax_scaled.engine.registry import register_scale_rule
 from jax_scaled.pow2.traced import pow2_round, pow2_round_positive
 from jax_scaled.pow2.xla import computed_once
 from jax_scaled.scales import make_scale, rescale, scale_f32
+from jax_scaled.scales.guard import record_largest_magnitude
 
 NORMS = ("l1", "l2", "max")
 
@@ -174,12 +175,13 @@ dynamic_rescale_p = jxi.define_primitive("dynamic_rescale", _identity, straight_
 @register_scale_rule(dynamic_rescale_p)
 def dynamic_rescale_rule(x: ScaledArray, *, norm: str) -> ScaledArray:
     """Move the power of two nearest the data's ``norm`` statistic into the scale."""
-    factor = pow2_round(_data_statistic(x.data, norm), current_config().rounding)
-    return _rebalanced(x, factor)
+    statistic, largest = _data_statistic(x.data, norm)
+    return _rebalanced(x, pow2_round(statistic, current_config().rounding), largest)
 
 
-def _data_statistic(data: jax.Array, norm: str) -> jax.Array:
-    """The ``norm`` statistic (``l1``, ``l2`` or ``max``) of ``data``, as a float32 scalar.
+def _data_statistic(data: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
+    """The ``norm`` statistic (``l1``, ``l2`` or ``max``) of ``data``, and its largest
+    magnitude, as float32 scalars.
 
     Computed relative to the largest magnitude (itself rounded to a power of two), so that
     sums and squares neither overflow nor underflow whatever the data's magnitude.
@@ -189,24 +191,32 @@ def _data_statistic(data: jax.Array, norm: str) -> jax.Array:
     magnitude = jnp.abs(data.astype(compute_dtype(data.dtype)))
     largest = jnp.max(magnitude, initial=0).astype(jnp.float32)
     if norm == "max":
-        return largest
+        return largest, largest
     unit = pow2_round(largest)  # 1 for all-zero or non-finite data
     relative = magnitude / unit.astype(magnitude.dtype)
     if norm == "l1":
         statistic = jnp.mean(relative)
     else:
         statistic = jnp.sqrt(jnp.mean(jnp.square(relative)))
-    return statistic.astype(jnp.float32) * unit
+    return statistic.astype(jnp.float32) * unit, largest
 
 
-def _rebalanced(x: ScaledArray, factor: jax.Array) -> ScaledArray:
+def _rebalanced(x: ScaledArray, factor: jax.Array, largest: jax.Array) -> ScaledArray:
     """``x`` with its scale multiplied by the power of two ``factor`` (clamped to the scale
-    range) and its data divided by the same amount: the value is unchanged.
+    range) and its data divided by the same amount: the value is unchanged. ``largest``,
+    the data's largest magnitude, is carried to the new data, multiplied as each datum is.
 
     The new scale is computed once (:func:`~jax_scaled.pow2.xla.computed_once`): derived
     from the data's statistic, it was worked out again in every kernel reading the rescaled
     data or its scale (3.5% of the 1-layer GPT's ``fp8_policy_scalify`` step, whose
-    gradients and float16 master weights are rescaled every step)."""
+    gradients and float16 master weights are rescaled every step). The largest magnitude
+    spares a range guard of the new data (a cast of new float16 master weights) a reduction
+    of its own: the product by a power of two is monotone, so the largest product is the
+    largest datum's."""
     scale = scale_f32(x)
     new_scale = computed_once(pow2_round_positive(scale * factor))  # in [2^-126, 2^127]
-    return ScaledArray(rescale(x.data, scale / new_scale), make_scale(new_scale, x))
+    ratio = scale / new_scale
+    data = rescale(x.data, ratio)
+    if x.data.dtype == jnp.float32:
+        record_largest_magnitude(data, rescale(largest, ratio))
+    return ScaledArray(data, make_scale(new_scale, x))

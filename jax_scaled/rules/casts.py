@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
@@ -22,6 +23,7 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import float_dtype
 from jax_scaled.engine.registry import Property, register_scale_rule
+from jax_scaled.scales.guard import record_largest_magnitude, recorded_largest_magnitude
 
 
 def saturate(x: jax.Array, dtype: DTypeLike) -> jax.Array:
@@ -58,5 +60,10 @@ saturate_p = jxi.define_primitive("saturate", _saturate_impl, straight_through=T
 
 @register_scale_rule(saturate_p, properties=Property.POINTWISE)
 def saturate_rule(x: ScaledArray, *, dtype: jnp.dtype) -> ScaledArray:
-    """Input scale; the data is clipped to the format's range (what a cast of it stores)."""
-    return ScaledArray(_saturate_impl(x.data, dtype=dtype), x.scale)
+    """Input scale; the data is clipped to the format's range (what a cast of it stores).
+    A largest magnitude recorded for the data is clipped with it, for the cast's guard."""
+    data = _saturate_impl(x.data, dtype=dtype)
+    largest = recorded_largest_magnitude(x.data)
+    if data is not x.data and largest is not None:
+        record_largest_magnitude(data, lax.min(largest, np.float32(_finite_max(dtype))))
+    return ScaledArray(data, x.scale)

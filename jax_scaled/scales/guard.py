@@ -21,6 +21,7 @@ from jax import lax
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
+from jax_scaled.memo import memoized, recorded
 from jax_scaled.pow2.static import (
     EXPONENT_BIAS,
     EXPONENT_FIELD,
@@ -167,6 +168,30 @@ def recentred_carry(x: ScaledArray) -> ScaledArray:
     return ScaledArray(data, make_scale(scale_mul(scale_f32(x), up), x))
 
 
+_LARGEST = "largest_magnitude"
+
+
+def record_largest_magnitude(data: jax.Array, largest: jax.Array) -> None:
+    """Record ``largest`` (a float32 0-d, ``max(|data|)`` up to the sign of a zero) for the
+    float32 ``data`` a rule has just made, so that a range guard of ``data`` reads it rather
+    than reducing ``data`` again (:func:`guard_factors` reads only its exponent field).
+    Nothing for other dtypes or outside a scalified call.
+
+    Example:
+        >>> record_largest_magnitude(jnp.ones(3), jnp.float32(1.0))  # concrete: nothing kept
+        >>> recorded_largest_magnitude(jnp.ones(3)) is None
+        True
+    """
+    if data.dtype == jnp.float32 and largest.dtype == jnp.float32 and not largest.ndim:
+        memoized(_LARGEST, data, lambda: largest)
+
+
+def recorded_largest_magnitude(data: jax.Array) -> jax.Array | None:
+    """The largest magnitude recorded for ``data`` (:func:`record_largest_magnitude`), or
+    the one a range guard of it computed, or None."""
+    return recorded(_LARGEST, data)
+
+
 def guard_factors(
     wide: jax.Array, dtype, divisor_exponent: int = 0, band: tuple[int, int, int] | None = None
 ) -> tuple[jax.Array, jax.Array] | None:
@@ -198,9 +223,8 @@ def guard_factors(
         return None
     low, high, target = (e + divisor_exponent for e in band)
     field = static_pow2_bits  # the exponent field of 2^e, as a uint32 literal
-    exponent_bits = lax.bitwise_and(
-        lax.bitcast_convert_type(largest_magnitude(wide), jnp.uint32), EXPONENT_FIELD
-    )
+    largest = memoized(_LARGEST, wide, lambda: largest_magnitude(wide))
+    exponent_bits = lax.bitwise_and(lax.bitcast_convert_type(largest, jnp.uint32), EXPONENT_FIELD)
     # Below the band but not zero, or above it but finite: two unsigned range tests, where
     # a field under the range's start wraps around to a huge value.
     outside = lax.bitwise_or(
