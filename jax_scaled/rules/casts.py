@@ -64,6 +64,6 @@ def saturate_rule(x: ScaledArray, *, dtype: jnp.dtype) -> ScaledArray:
     A largest magnitude recorded for the data is clipped with it, for the cast's guard."""
     data = _saturate_impl(x.data, dtype=dtype)
     largest = recorded_largest_magnitude(x.data)
-    if data is not x.data and largest is not None:
+    if data is not x.data and largest is not None and largest.dtype == jnp.float32:
         record_largest_magnitude(data, lax.min(largest, np.float32(_finite_max(dtype))))
     return ScaledArray(data, x.scale)
