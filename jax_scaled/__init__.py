@@ -11,8 +11,9 @@ Example:
 from jax_scaled import diagnostics, formats, nn, ops, optim, tree
 from jax_scaled import rules as _rules  # noqa: F401  (registers the scale rules)
 from jax_scaled.any_scale import ANY_SCALE
-from jax_scaled.array import ScaledArray, as_scaled_array, asarray, is_scaled_leaf, scaled_array
+from jax_scaled.array import ScaledArray
 from jax_scaled.config import ScalifyConfig, current_config
+from jax_scaled.construction import as_scaled_array, asarray, is_scaled_leaf, scaled_array
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dot_policy import ContractionSite, dot_formats, has_module_path, has_operand_shape
 from jax_scaled.engine.constants import ConstantPrecisionWarning

@@ -18,6 +18,16 @@ only). The ``scale_dtype`` of :class:`~jax_scaled.ScalifyConfig`, :func:`~jax_sc
 and :class:`~jax_scaled.formats.BlockFormat` is one of them."""
 
 
+def is_floating(dtype: Any) -> bool:
+    """True for floating dtypes (the dtypes a ScaledArray's data and scale may have).
+
+    Example:
+        >>> is_floating(jnp.float8_e4m3fn), is_floating(jnp.int32)
+        (True, False)
+    """
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
 def is_narrow_float(dtype: Any) -> bool:
     """True for floating dtypes narrower than float32 (float16, bfloat16, float8, float4).
 

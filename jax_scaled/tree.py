@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_scaled.array import ScaledArray, cast_fitting, is_scaled_leaf
+from jax_scaled.array import ScaledArray
+from jax_scaled.construction import cast_fitting, is_scaled_leaf
 
 __all__ = [
     "OptimizerStateWarning",
@@ -64,7 +65,7 @@ def astype(tree: Any, dtype) -> Any:
 
     A ScaledArray keeps its scale unless its data would not fit ``dtype`` (an ``inf``, or a
     value lost to subnormals): that data is re-centred on its RMS first, the value unchanged
-    (:func:`~jax_scaled.array.cast_fitting`). Integer and boolean leaves are unchanged.
+    (:func:`~jax_scaled.construction.cast_fitting`). Integer and boolean leaves are unchanged.
 
     Casting optax state to a format with float16's range or less warns once
     (:class:`OptimizerStateWarning`, naming the leaves): one scale per tensor cannot hold a

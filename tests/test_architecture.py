@@ -99,7 +99,7 @@ def test_package_modules_do_not_import_the_package():
 LAYERS = (
     ("base", ("_jax_internals", "dtypes", "any_scale", "formats", "context", "memo")),
     ("power-of-two arithmetic", ("pow2",)),
-    ("ScaledArray and config", ("array", "config")),
+    ("ScaledArray and config", ("array", "construction", "config")),
     ("scale math on ScaledArrays", ("scales",)),
     ("engine", ("engine",)),
     ("rules", ("rules",)),

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 
-from jax_scaled.array import ScaledArray, asarray
+from jax_scaled.array import ScaledArray
+from jax_scaled.construction import asarray
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.nn.cast_contraction import (

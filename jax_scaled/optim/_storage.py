@@ -15,7 +15,8 @@ from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled import ops
-from jax_scaled.array import ScaledArray, as_scaled_array
+from jax_scaled.array import ScaledArray
+from jax_scaled.construction import as_scaled_array
 from jax_scaled.dtypes import float_dtype
 from jax_scaled.engine.interpreter import scalify
 from jax_scaled.engine.registry import register_scale_rule
