@@ -10,6 +10,7 @@ from jax_scaled.rules import (  # noqa: F401
     higher_order,
     indexing,
     linalg,
+    powers,
     reductions,
     reductions_custom,
     shape,

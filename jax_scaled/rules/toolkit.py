@@ -24,6 +24,18 @@ from jax_scaled.scales import (
     times_scalar,
 )
 
+
+def compute_data(x: ScaledArray) -> jax.Array:
+    """The data of ``x`` in its compute dtype (float32 for narrow formats): where a rule
+    computes before rounding once to the output's format.
+
+    Example:
+        >>> compute_data(ScaledArray(jnp.ones(2, jnp.float16), jnp.float32(2.0))).dtype
+        dtype('float32')
+    """
+    return lax.convert_element_type(x.data, compute_dtype(x.dtype))
+
+
 # ---------------------------------------------------------------------------------------
 # Selections (select_n, max, min, clamp, concatenate)
 # ---------------------------------------------------------------------------------------
