@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import jax_scaled as js
 from jax_scaled import _jax_internals, ops
+from jax_scaled.ops import rescale as rescale_module
 from jax_scaled.rules.casts import saturate
 
 RESCALE = {
@@ -231,6 +232,60 @@ def _all_eqns(jaxpr):
         yield eqn
         for sub in _jax_internals.eqn_subjaxprs(eqn):
             yield from _all_eqns(sub)
+
+
+NARROW = [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+@jax.jit
+def _unit_relative_statistics(data):
+    """The l1 and l2 statistics of ``data`` taken relative to its largest magnitude rounded
+    down to a power of two, as every format needs them (float32 squares overflow above
+    2^64): the reference a narrow format's direct statistic must match bit for bit."""
+    magnitude = jnp.abs(data.astype(jnp.float32))
+    unit = js.pow2_round(jnp.max(magnitude, initial=0))
+    relative = magnitude / unit
+    l1 = jnp.mean(relative) * unit
+    l2 = jnp.sqrt(jnp.mean(jnp.square(relative))) * unit
+    return l1, l2
+
+
+@jax.jit
+def _direct_statistics(data):
+    return tuple(rescale_module._data_statistic(data, norm)[0] for norm in ("l1", "l2"))
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+@given(exponent=st.integers(-40, 20), seed=st.integers(0, 2**31 - 1))
+def test_a_narrow_format_s_statistic_needs_no_unit(dtype, exponent, seed):
+    # float16 and float8 data square and sum in float32 without leaving its normal range, so
+    # the statistic is taken in one pass, not after the largest magnitude's. Data at every
+    # exponent the format holds (subnormals and the top included, some of it flushed or
+    # saturated by the cast) gives the unit-relative statistic to the bit.
+    values = _heavy_tailed(seed % 1000, (64, 512)) * np.float32(2.0**exponent)
+    info = ml_dtypes.finfo(dtype)
+    data = jnp.asarray(np.clip(values, -float(info.max), float(info.max)).astype(dtype))
+    direct, relative = _direct_statistics(data), _unit_relative_statistics(data)
+    assert [np.float32(v).tobytes() for v in direct] == [np.float32(v).tobytes() for v in relative]
+
+
+@pytest.mark.parametrize("special", [0.0, np.inf, np.nan])
+def test_a_narrow_format_s_statistic_of_zero_or_non_finite_data_is_unchanged(special):
+    values = np.zeros((64, 64), np.float32) if special == 0.0 else _heavy_tailed(8, (64, 64))
+    values.flat[3] = special
+    data = jnp.asarray(values.astype(jnp.float16))
+    direct, relative = _direct_statistics(data), _unit_relative_statistics(data)
+    assert [np.float32(v).tobytes() for v in direct] == [np.float32(v).tobytes() for v in relative]
+
+
+@pytest.mark.parametrize("norm", ["l1", "l2"])
+def test_a_float16_rescale_reads_its_data_once(norm):
+    # The statistic's reduction no longer waits for a reduction to the largest magnitude.
+    x = js.scaled_array(jnp.asarray(_heavy_tailed(9).astype(jnp.float16)), 2.0**-20)
+    lines = [line for body in compiled_computations(js.scalify(RESCALE[norm]), x).values()
+             for line in body]  # fmt: skip
+    assert sum(" reduce(" in line for line in lines) == 1
+    assert_same_value(jitted_scalify(RESCALE[norm])(x), x)
 
 
 # --- identities outside scalify ----------------------------------------------------------

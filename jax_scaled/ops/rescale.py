@@ -184,7 +184,10 @@ def _data_statistic(data: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
     magnitude, as float32 scalars.
 
     Computed relative to the largest magnitude (itself rounded to a power of two), so that
-    sums and squares neither overflow nor underflow whatever the data's magnitude.
+    sums and squares neither overflow nor underflow whatever the data's magnitude. Data of a
+    format with float16's range or less needs no such unit (:func:`_squares_fit_float32`):
+    the statistic is then the same bit for bit, and its reduction no longer waits for the
+    largest magnitude's (two passes over the data became one).
     """
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
@@ -192,13 +195,33 @@ def _data_statistic(data: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
     largest = jnp.max(magnitude, initial=0).astype(jnp.float32)
     if norm == "max":
         return largest, largest
+    if _squares_fit_float32(data.dtype):
+        return _unit_statistic(magnitude, norm).astype(jnp.float32), largest
     unit = pow2_round(largest)  # 1 for all-zero or non-finite data
     relative = magnitude / unit.astype(magnitude.dtype)
+    return _unit_statistic(relative, norm).astype(jnp.float32) * unit, largest
+
+
+def _unit_statistic(magnitude: jax.Array, norm: str) -> jax.Array:
+    """The mean (``l1``) or root mean square (``l2``) of ``magnitude``."""
     if norm == "l1":
-        statistic = jnp.mean(relative)
-    else:
-        statistic = jnp.sqrt(jnp.mean(jnp.square(relative)))
-    return statistic.astype(jnp.float32) * unit, largest
+        return jnp.mean(magnitude)
+    return jnp.sqrt(jnp.mean(jnp.square(magnitude)))
+
+
+def _squares_fit_float32(dtype: jnp.dtype) -> bool:
+    """True when float32 squares of ``dtype`` data, and their sums, stay normal and finite:
+    the largest below ``2^32`` (times up to ``2^90`` terms), the smallest nonzero above
+    ``2^-126``. Every step of the statistic is then a correctly rounded float32 operation
+    whose result scales exactly with the data's power of two, so the statistic computed
+    relative to a power-of-two unit, times the unit, is the same float.
+
+    Example:
+        >>> _squares_fit_float32(jnp.float16), _squares_fit_float32(jnp.bfloat16)
+        (True, False)
+    """
+    info = jnp.finfo(dtype)
+    return info.maxexp <= 16 and float(info.smallest_subnormal) >= 2.0**-62
 
 
 def _rebalanced(x: ScaledArray, factor: jax.Array, largest: jax.Array) -> ScaledArray:
