@@ -16,6 +16,7 @@ from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine import estimates
 from jax_scaled.engine.facts import converted_fact
 from jax_scaled.engine.registry import Property, register_scale_rule
+from jax_scaled.pow2.static import is_static
 from jax_scaled.pow2.xla import float_division
 from jax_scaled.rules.toolkit import align_selection, compute_data, has_static_scale
 from jax_scaled.scales import (
@@ -36,6 +37,7 @@ from jax_scaled.scales import (
     to_compute,
     top_of_format,
     wide_data,
+    widened,
 )
 
 
@@ -113,6 +115,8 @@ def div_rule(x, y, **params):
     ``rsqrt(v) / v`` by a cotangent). 8-bit data (top of its format) is centred
     (:func:`~jax_scaled.scales.guard.centred`)."""
     divisor_constant = has_static_scale(y) and not has_static_scale(x)
+    if isinstance(x, ScaledArray) and _is_one(y, x.shape):  # x / 1 is x (XLA folds it too)
+        return x
     x, y = as_scaled(x), as_scaled(y)
     scale = float_division(scale_f32(x), scale_f32(y))  # cuts scale chains: see scales.xla
     if divisor_constant or guard_band(x.dtype) is None:
@@ -121,6 +125,17 @@ def div_rule(x, y, **params):
     if products_guarded(x.dtype):
         return centred(quotient, scale, x.dtype, x, y)
     return guarded(quotient, scale, x.dtype, x, y)
+
+
+def _is_one(y: Value, shape: tuple[int, ...]) -> bool:
+    """True for a trace-time constant (numpy, or a ScaledArray of numpy data and scale) equal
+    to 1 everywhere, of ``shape`` or a scalar."""
+    data, scale = (y.data, y.scale) if isinstance(y, ScaledArray) else (y, np.float32(1))
+    if not isinstance(data, (np.ndarray, np.generic)) or not is_static(scale):
+        return False
+    if np.ndim(data) and np.shape(data) != shape:
+        return False
+    return bool(np.all(np.asarray(data, np.float64) * np.asarray(scale, np.float64) == 1.0))
 
 
 @register_scale_rule(
@@ -383,8 +398,12 @@ def convert_element_type_rule(x: ScaledArray, *, new_dtype, **params) -> Value:
         return bind(to_compute(x))
     narrowing = jnp.finfo(new_dtype).maxexp < jnp.finfo(x.dtype).maxexp
     if narrowing and guard_band(new_dtype) is not None:
-        return guarded(x.data.astype(compute_dtype(x.dtype)), scale_f32(x), new_dtype, x)
-    return ScaledArray(bind(x.data), make_scale(scale_f32(x), x))
+        return guarded(widened(x.data), scale_f32(x), new_dtype, x)
+    if new_dtype == compute_dtype(x.dtype) and not params.get("weak_type"):
+        data = widened(x.data)  # shared, with what a guard recorded of the narrow data
+    else:
+        data = bind(x.data)
+    return ScaledArray(data, make_scale(scale_f32(x), x))
 
 
 @register_scale_rule(lax.bitcast_convert_type_p)

@@ -22,6 +22,7 @@ from jax_scaled.scales import (
     scale_f32,
     scale_reciprocal,
     times_scalar,
+    widened,
 )
 
 
@@ -33,7 +34,7 @@ def compute_data(x: ScaledArray) -> jax.Array:
         >>> compute_data(ScaledArray(jnp.ones(2, jnp.float16), jnp.float32(2.0))).dtype
         dtype('float32')
     """
-    return lax.convert_element_type(x.data, compute_dtype(x.dtype))
+    return widened(x.data)
 
 
 # ---------------------------------------------------------------------------------------

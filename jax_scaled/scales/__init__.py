@@ -39,6 +39,7 @@ from jax_scaled.scales.guard import (
     recentred_carry,
     sums_guarded,
     top_of_format,
+    widened,
 )
 from jax_scaled.scales.values import (
     align,
@@ -102,5 +103,6 @@ __all__ = [
     "to_block_major",
     "to_compute",
     "top_of_format",
+    "widened",
     "wide_data",
 ]

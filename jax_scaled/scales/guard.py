@@ -21,6 +21,7 @@ from jax import lax
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
+from jax_scaled.dtypes import compute_dtype
 from jax_scaled.memo import memoized, recorded
 from jax_scaled.pow2.static import (
     EXPONENT_BIAS,
@@ -192,6 +193,45 @@ def recorded_largest_magnitude(data: jax.Array) -> jax.Array | None:
     return recorded(_LARGEST, data)
 
 
+_NARROW_LARGEST = "narrow_largest_magnitude"
+
+
+def widened(data: jax.Array) -> jax.Array:
+    """``data`` in its compute dtype (float32 for narrow formats), converted once per traced
+    array and scalified call. Where a range guard made ``data``, the largest magnitude it
+    took comes along: a later guard of the widened data (a cast to float8, a power) reads it
+    instead of reducing the data again.
+
+    Example:
+        >>> widened(jnp.ones(2, jnp.float16)).dtype
+        dtype('float32')
+    """
+
+    def convert() -> jax.Array:
+        wide = lax.convert_element_type(data, compute_dtype(data.dtype))
+        guard = recorded(_NARROW_LARGEST, data)
+        if guard is not None:
+            memoized(_LARGEST, wide, lambda: _rounded_largest(data.dtype, *guard))
+        return wide
+
+    return memoized("widened", data, convert)
+
+
+def _record_guarded(data: jax.Array, wide: jax.Array, down: jax.Array) -> None:
+    """Record for the narrow ``data = cast(wide * down)`` its largest magnitude, from the one
+    the guard took of ``wide``: rounding to ``data``'s format is monotone and symmetric, so
+    the largest rounded datum is the rounded largest, as float32 exactly (NaN and infinity
+    included)."""
+    largest = recorded(_LARGEST, wide)
+    if largest is not None and data.dtype != wide.dtype:  # worked out only where it is read
+        memoized(_NARROW_LARGEST, data, lambda: (largest, down))
+
+
+def _rounded_largest(dtype, largest: jax.Array, down: jax.Array) -> jax.Array:
+    rounded = lax.convert_element_type(times_scalar(largest, down), dtype)
+    return lax.convert_element_type(rounded, jnp.float32)
+
+
 def guard_factors(
     wide: jax.Array, dtype, divisor_exponent: int = 0, band: tuple[int, int, int] | None = None
 ) -> tuple[jax.Array, jax.Array] | None:
@@ -267,6 +307,7 @@ def guarded(
         return ScaledArray(lax.convert_element_type(wide, dtype), make_scale(scale, *like))
     down, up = factors
     data = lax.convert_element_type(times_scalar(wide, down), dtype)
+    _record_guarded(data, wide, down)
     return ScaledArray(data, make_scale(scale_mul(scale, up), *like))
 
 
@@ -287,4 +328,5 @@ def centred(wide: jax.Array, scale: jax.Array, dtype, *like: Value) -> ScaledArr
     target = band[2]
     down, up = guard_factors(wide, dtype, band=(target, target + 1, target))
     data = lax.convert_element_type(times_scalar(wide, down), dtype)
+    _record_guarded(data, wide, down)
     return ScaledArray(data, make_scale(scale_mul(scale, up), *like))

@@ -1,0 +1,104 @@
+"""What a range guard took, read again instead of recomputed: a guarded float16 output's
+largest magnitude serves the guard of its next narrowing (a cast to float8, a power), and a
+division by one leaves its operand as it is."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import built
+
+import jax_scaled as js
+from jax_scaled import _jax_internals
+from jax_scaled.nn.cast_contraction import current_scale
+
+HOW = ["as_scaled_array", "scaled_array", "quantize", "in_jit"]
+CONSUMERS = {
+    "cast to E4M3": lambda y: y.astype(jnp.float8_e4m3fn),
+    "cast to E5M2": lambda y: y.astype(jnp.float8_e5m2),
+    "square": jnp.square,
+}
+
+
+def _heavy_tailed(seed: int, shape=(256, 128)) -> np.ndarray:
+    """Gaussian data with outliers up to 2^12 times larger and some zeros."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape)
+    x.flat[rng.integers(0, x.size, 16)] *= 2.0 ** rng.integers(1, 13, 16)
+    x.flat[rng.integers(0, x.size, 64)] = 0.0
+    return x.astype(np.float32)
+
+
+def _guarded_product(x, w):
+    return x @ w  # a float16 contraction: its output is range-guarded
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _jax_internals.eqn_subjaxprs(eqn):
+            yield from _all_eqns(sub)
+
+
+def _bytes(y: js.ScaledArray) -> tuple[bytes, bytes]:
+    return np.asarray(y.data).tobytes(), np.asarray(y.scale).tobytes()
+
+
+@pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20])
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("consumer", list(CONSUMERS))
+def test_a_guarded_output_s_next_guard_reads_its_largest_magnitude(consumer, how, scale):
+    # Same bits as a guard that reduces the float16 data afresh, with one reduction fewer.
+    read = CONSUMERS[consumer]
+    x = built(how, jnp.asarray(_heavy_tailed(1)), jnp.float16, scale)
+    w = js.as_scaled_array(jnp.asarray(_heavy_tailed(2, (128, 128)) / 16, jnp.float16))
+    together = jax.jit(js.scalify(lambda x, w: read(_guarded_product(x, w))))(x, w)
+    apart = jax.jit(js.scalify(read))(jax.jit(js.scalify(_guarded_product))(x, w))
+    assert _bytes(together) == _bytes(apart)
+    count = {
+        name: sum(
+            e.primitive.name == "reduce_max"
+            for e in _all_eqns(jax.make_jaxpr(js.scalify(fn))(*args).jaxpr)
+        )  # fmt: skip
+        for name, fn, args in [
+            ("together", lambda x, w: read(_guarded_product(x, w)), (x, w)),
+            ("product", _guarded_product, (x, w)),
+        ]
+    }
+    assert count["together"] == count["product"]
+
+
+@pytest.mark.parametrize("special", [0.0, np.inf, np.nan])
+@pytest.mark.parametrize("consumer", list(CONSUMERS))
+def test_a_guarded_output_of_zero_or_non_finite_data_is_read_as_before(consumer, special):
+    read = CONSUMERS[consumer]
+    values = np.zeros((256, 128), np.float32) if special == 0.0 else _heavy_tailed(3)
+    values[5] = special  # a whole row of the product
+    x = js.as_scaled_array(jnp.asarray(values, jnp.float16))
+    w = js.as_scaled_array(jnp.asarray(_heavy_tailed(4, (128, 128)) / 16, jnp.float16))
+    together = jax.jit(js.scalify(lambda x, w: read(_guarded_product(x, w))))(x, w)
+    apart = jax.jit(js.scalify(read))(jax.jit(js.scalify(_guarded_product))(x, w))
+    assert _bytes(together) == _bytes(apart)
+
+
+def test_a_division_by_a_scaled_operand_s_current_scale_is_its_operand():
+    # Under scalify an operand's current scaling (js.dot_formats' "current" recipe) is the
+    # constant 1: the division by it leaves the operand, and its guard record, as they are.
+    e4m3 = jnp.dtype(jnp.float8_e4m3fn)
+
+    def divided(x):
+        return x / current_scale(x, e4m3)
+
+    x = js.scaled_array(jnp.asarray(_heavy_tailed(5, (4, 8))), 2.0**-20)
+    jaxpr = jax.make_jaxpr(js.scalify(divided))(x)
+    assert not any(e.primitive.name == "div" for e in _all_eqns(jaxpr.jaxpr))
+    assert _bytes(jax.jit(js.scalify(divided))(x)) == _bytes(x)
+
+
+def test_a_scalar_divided_by_ones_takes_their_shape():
+    def divided(x):
+        return x / np.ones(3, np.float32)
+
+    x = js.scaled_array(jnp.float32(1.5), 4.0)
+    y = js.scalify(divided)(x)
+    assert y.shape == (3,) and js.asarray(y).tolist() == [6.0, 6.0, 6.0]
