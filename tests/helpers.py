@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import jax_scaled as js
+from jax_scaled import _jax_internals
 from jax_scaled.pow2.static import is_pow2
 
 FLOAT_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
@@ -66,6 +67,24 @@ def random_data(seed: int, shape, dtype, *, low: float | None = None, high: floa
     rng = np.random.default_rng(seed)
     values = rng.standard_normal(shape) if low is None else rng.uniform(low, high, shape)
     return np.asarray(values, np.float32).astype(jnp.dtype(dtype))
+
+
+def heavy_tailed(seed: int, shape=(128, 512)) -> np.ndarray:
+    """Float32 Gaussian data with 16 outliers up to 2^12 times larger and 64 zeros: once its
+    RMS is at 1, its largest datum lands far outside float16's guard band."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape)
+    x.flat[rng.integers(0, x.size, 16)] *= 2.0 ** rng.integers(1, 13, 16)
+    x.flat[rng.integers(0, x.size, 64)] = 0.0
+    return x.astype(np.float32)
+
+
+def all_eqns(jaxpr) -> Any:
+    """Every equation of ``jaxpr`` and of its sub-jaxprs, depth first."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _jax_internals.eqn_subjaxprs(eqn):
+            yield from all_eqns(sub)
 
 
 @st.composite

@@ -6,10 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import built
+from helpers import all_eqns, built, heavy_tailed
 
 import jax_scaled as js
-from jax_scaled import _jax_internals
 from jax_scaled.nn.cast_contraction import current_scale
 
 HOW = ["as_scaled_array", "scaled_array", "quantize", "in_jit"]
@@ -20,24 +19,8 @@ CONSUMERS = {
 }
 
 
-def _heavy_tailed(seed: int, shape=(256, 128)) -> np.ndarray:
-    """Gaussian data with outliers up to 2^12 times larger and some zeros."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape)
-    x.flat[rng.integers(0, x.size, 16)] *= 2.0 ** rng.integers(1, 13, 16)
-    x.flat[rng.integers(0, x.size, 64)] = 0.0
-    return x.astype(np.float32)
-
-
 def _guarded_product(x, w):
     return x @ w  # a float16 contraction: its output is range-guarded
-
-
-def _all_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _jax_internals.eqn_subjaxprs(eqn):
-            yield from _all_eqns(sub)
 
 
 def _bytes(y: js.ScaledArray) -> tuple[bytes, bytes]:
@@ -50,15 +33,15 @@ def _bytes(y: js.ScaledArray) -> tuple[bytes, bytes]:
 def test_a_guarded_output_s_next_guard_reads_its_largest_magnitude(consumer, how, scale):
     # Same bits as a guard that reduces the float16 data afresh, with one reduction fewer.
     read = CONSUMERS[consumer]
-    x = built(how, jnp.asarray(_heavy_tailed(1)), jnp.float16, scale)
-    w = js.as_scaled_array(jnp.asarray(_heavy_tailed(2, (128, 128)) / 16, jnp.float16))
+    x = built(how, jnp.asarray(heavy_tailed(1, (256, 128))), jnp.float16, scale)
+    w = js.as_scaled_array(jnp.asarray(heavy_tailed(2, (128, 128)) / 16, jnp.float16))
     together = jax.jit(js.scalify(lambda x, w: read(_guarded_product(x, w))))(x, w)
     apart = jax.jit(js.scalify(read))(jax.jit(js.scalify(_guarded_product))(x, w))
     assert _bytes(together) == _bytes(apart)
     count = {
         name: sum(
             e.primitive.name == "reduce_max"
-            for e in _all_eqns(jax.make_jaxpr(js.scalify(fn))(*args).jaxpr)
+            for e in all_eqns(jax.make_jaxpr(js.scalify(fn))(*args).jaxpr)
         )  # fmt: skip
         for name, fn, args in [
             ("together", lambda x, w: read(_guarded_product(x, w)), (x, w)),
@@ -72,10 +55,10 @@ def test_a_guarded_output_s_next_guard_reads_its_largest_magnitude(consumer, how
 @pytest.mark.parametrize("consumer", list(CONSUMERS))
 def test_a_guarded_output_of_zero_or_non_finite_data_is_read_as_before(consumer, special):
     read = CONSUMERS[consumer]
-    values = np.zeros((256, 128), np.float32) if special == 0.0 else _heavy_tailed(3)
+    values = np.zeros((256, 128), np.float32) if special == 0.0 else heavy_tailed(3, (256, 128))
     values[5] = special  # a whole row of the product
     x = js.as_scaled_array(jnp.asarray(values, jnp.float16))
-    w = js.as_scaled_array(jnp.asarray(_heavy_tailed(4, (128, 128)) / 16, jnp.float16))
+    w = js.as_scaled_array(jnp.asarray(heavy_tailed(4, (128, 128)) / 16, jnp.float16))
     together = jax.jit(js.scalify(lambda x, w: read(_guarded_product(x, w))))(x, w)
     apart = jax.jit(js.scalify(read))(jax.jit(js.scalify(_guarded_product))(x, w))
     assert _bytes(together) == _bytes(apart)
@@ -89,9 +72,9 @@ def test_a_division_by_a_scaled_operand_s_current_scale_is_its_operand():
     def divided(x):
         return x / current_scale(x, e4m3)
 
-    x = js.scaled_array(jnp.asarray(_heavy_tailed(5, (4, 8))), 2.0**-20)
+    x = js.scaled_array(jnp.asarray(heavy_tailed(5, (4, 8))), 2.0**-20)
     jaxpr = jax.make_jaxpr(js.scalify(divided))(x)
-    assert not any(e.primitive.name == "div" for e in _all_eqns(jaxpr.jaxpr))
+    assert not any(e.primitive.name == "div" for e in all_eqns(jaxpr.jaxpr))
     assert _bytes(jax.jit(js.scalify(divided))(x)) == _bytes(x)
 
 

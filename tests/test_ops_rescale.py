@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from helpers import (
     FLOAT_DTYPES,
+    all_eqns,
     assert_pow2_scales,
     built,
     check_e8m0_matches,
     compiled_computations,
+    heavy_tailed,
     random_data,
     value64,
 )
@@ -20,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jax_scaled as js
-from jax_scaled import _jax_internals, ops
+from jax_scaled import ops
 from jax_scaled.ops import rescale as rescale_module
 from jax_scaled.rules.casts import saturate
 
@@ -179,16 +181,6 @@ def test_a_rescaled_scale_is_computed_once_for_its_readers(norm):
 HOW = ["as_scaled_array", "scaled_array", "quantize", "in_jit"]
 
 
-def _heavy_tailed(seed: int, shape=(128, 512)) -> np.ndarray:
-    """Gaussian data with outliers up to 2^12 times larger and some zeros: its largest datum
-    lands far outside float16's guard band once the RMS is at 1."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape)
-    x.flat[rng.integers(0, x.size, 16)] *= 2.0 ** rng.integers(1, 13, 16)
-    x.flat[rng.integers(0, x.size, 64)] = 0.0
-    return x.astype(np.float32)
-
-
 @pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20])
 @pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("norm", list(RESCALE))
@@ -202,13 +194,13 @@ def test_a_rescaled_cast_is_guarded_from_the_rescale_s_largest_magnitude(norm, h
     def cast(y):
         return y.astype(jnp.float16)
 
-    x = built(how, jnp.asarray(_heavy_tailed(5)), jnp.float32, scale)
+    x = built(how, jnp.asarray(heavy_tailed(5)), jnp.float32, scale)
     together = jax.jit(js.scalify(lambda x: cast(rescaled(x))))(x)
     apart = jax.jit(js.scalify(cast))(jax.jit(js.scalify(rescaled))(x))
     assert np.asarray(together.data).tobytes() == np.asarray(apart.data).tobytes()
     assert np.asarray(together.scale).tobytes() == np.asarray(apart.scale).tobytes()
     jaxpr = jax.make_jaxpr(js.scalify(lambda x: cast(rescaled(x))))(x)
-    assert sum(e.primitive.name == "reduce_max" for e in _all_eqns(jaxpr.jaxpr)) == 1
+    assert sum(e.primitive.name == "reduce_max" for e in all_eqns(jaxpr.jaxpr)) == 1
 
 
 @pytest.mark.parametrize("special", [0.0, np.inf, np.nan])
@@ -216,7 +208,7 @@ def test_a_rescaled_cast_of_zero_or_non_finite_data_is_guarded_as_before(special
     def rescaled_cast(x):
         return saturate(ops.dynamic_rescale_l2(x * 1.0), jnp.float16)
 
-    values = np.full((64, 64), special, np.float32) if special == 0.0 else _heavy_tailed(6)
+    values = np.full((64, 64), special, np.float32) if special == 0.0 else heavy_tailed(6)
     values.flat[7] = special
     x = js.as_scaled_array(jnp.asarray(values))
     together = jax.jit(js.scalify(lambda x: rescaled_cast(x).astype(jnp.float16)))(x)
@@ -225,13 +217,6 @@ def test_a_rescaled_cast_of_zero_or_non_finite_data_is_guarded_as_before(special
     )
     assert np.asarray(together.data).tobytes() == np.asarray(apart.data).tobytes()
     assert np.asarray(together.scale).tobytes() == np.asarray(apart.scale).tobytes()
-
-
-def _all_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _jax_internals.eqn_subjaxprs(eqn):
-            yield from _all_eqns(sub)
 
 
 NARROW = [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2]
@@ -262,7 +247,7 @@ def test_a_narrow_format_s_statistic_needs_no_unit(dtype, exponent, seed):
     # the statistic is taken in one pass, not after the largest magnitude's. Data at every
     # exponent the format holds (subnormals and the top included, some of it flushed or
     # saturated by the cast) gives the unit-relative statistic to the bit.
-    values = _heavy_tailed(seed % 1000, (64, 512)) * np.float32(2.0**exponent)
+    values = heavy_tailed(seed % 1000, (64, 512)) * np.float32(2.0**exponent)
     info = ml_dtypes.finfo(dtype)
     data = jnp.asarray(np.clip(values, -float(info.max), float(info.max)).astype(dtype))
     direct, relative = _direct_statistics(data), _unit_relative_statistics(data)
@@ -271,7 +256,7 @@ def test_a_narrow_format_s_statistic_needs_no_unit(dtype, exponent, seed):
 
 @pytest.mark.parametrize("special", [0.0, np.inf, np.nan])
 def test_a_narrow_format_s_statistic_of_zero_or_non_finite_data_is_unchanged(special):
-    values = np.zeros((64, 64), np.float32) if special == 0.0 else _heavy_tailed(8, (64, 64))
+    values = np.zeros((64, 64), np.float32) if special == 0.0 else heavy_tailed(8, (64, 64))
     values.flat[3] = special
     data = jnp.asarray(values.astype(jnp.float16))
     direct, relative = _direct_statistics(data), _unit_relative_statistics(data)
@@ -281,7 +266,7 @@ def test_a_narrow_format_s_statistic_of_zero_or_non_finite_data_is_unchanged(spe
 @pytest.mark.parametrize("norm", ["l1", "l2"])
 def test_a_float16_rescale_reads_its_data_once(norm):
     # The statistic's reduction no longer waits for a reduction to the largest magnitude.
-    x = js.scaled_array(jnp.asarray(_heavy_tailed(9).astype(jnp.float16)), 2.0**-20)
+    x = js.scaled_array(jnp.asarray(heavy_tailed(9).astype(jnp.float16)), 2.0**-20)
     lines = [line for body in compiled_computations(js.scalify(RESCALE[norm]), x).values()
              for line in body]  # fmt: skip
     assert sum(" reduce(" in line for line in lines) == 1
