@@ -399,7 +399,11 @@ def convert_element_type_rule(x: ScaledArray, *, new_dtype, **params) -> Value:
     narrowing = jnp.finfo(new_dtype).maxexp < jnp.finfo(x.dtype).maxexp
     if narrowing and guard_band(new_dtype) is not None:
         return guarded(widened(x.data), scale_f32(x), new_dtype, x)
-    if new_dtype == compute_dtype(x.dtype) and not params.get("weak_type"):
+    if (
+        new_dtype == compute_dtype(x.dtype)
+        and not params.get("weak_type")
+        and params.get("sharding") is None
+    ):
         data = widened(x.data)  # shared, with what a guard recorded of the narrow data
     else:
         data = bind(x.data)
