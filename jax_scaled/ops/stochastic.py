@@ -45,7 +45,7 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine.registry import Property, register_scale_rule
-from jax_scaled.scales import guard_factors, make_scale, scale_f32, scale_mul, times_scalar
+from jax_scaled.scales import guard_factors, make_scale, scale_f32, scale_mul, times_scalar, widened
 
 RoundingMode = Literal["nearest", "stochastic"]
 ROUNDING_MODES = ("nearest", "stochastic")
@@ -252,7 +252,7 @@ def stochastic_round_rule(x: ScaledArray, bits: jax.Array, *, dtype: jnp.dtype) 
     a narrower float16/float8 format, out-of-band data moves a power of two into the scale
     before it is rounded."""
     narrowing = jnp.finfo(dtype).maxexp < jnp.finfo(x.dtype).maxexp
-    wide = x.data.astype(compute_dtype(x.dtype)) if narrowing else None
+    wide = widened(x.data) if narrowing else None
     factors = guard_factors(wide, dtype) if narrowing else None
     if factors is None:
         data = stochastic_round_p.bind(x.data, bits, dtype=dtype)

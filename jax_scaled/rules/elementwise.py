@@ -18,7 +18,7 @@ from jax_scaled.engine.facts import converted_fact
 from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.pow2.static import is_static
 from jax_scaled.pow2.xla import float_division
-from jax_scaled.rules.toolkit import align_selection, compute_data, has_static_scale
+from jax_scaled.rules.toolkit import align_selection, has_static_scale
 from jax_scaled.scales import (
     align,
     as_scaled,
@@ -93,7 +93,7 @@ def mul_rule(x, y, **params):
         x, y = _shrinking_constant(x), _shrinking_constant(y)
         scale = scale_mul(scale_f32(x), scale_f32(y))
     elif products_guarded(x.dtype):
-        return centred(lax.mul(compute_data(x), compute_data(y)), scale, x.dtype, x, y)
+        return centred(lax.mul(widened(x.data), widened(y.data)), scale, x.dtype, x, y)
     return ScaledArray(lax.mul_p.bind(x.data, y.data, **params), make_scale(scale, x, y))
 
 
@@ -121,7 +121,7 @@ def div_rule(x, y, **params):
     scale = float_division(scale_f32(x), scale_f32(y))  # cuts scale chains: see scales.xla
     if divisor_constant or guard_band(x.dtype) is None:
         return ScaledArray(lax.div_p.bind(x.data, y.data, **params), make_scale(scale, x, y))
-    quotient = lax.div(compute_data(x), compute_data(y))
+    quotient = lax.div(widened(x.data), widened(y.data))
     if products_guarded(x.dtype):
         return centred(quotient, scale, x.dtype, x, y)
     return guarded(quotient, scale, x.dtype, x, y)

@@ -21,7 +21,6 @@ from jax_scaled.pow2.traced import (
     pow2_reciprocal,
     pow2_sqrt_split,
 )
-from jax_scaled.rules.toolkit import compute_data
 from jax_scaled.scales import (
     centred,
     guard_band,
@@ -31,6 +30,7 @@ from jax_scaled.scales import (
     scale_f32,
     scale_mul,
     times_scalar,
+    widened,
 )
 
 
@@ -39,11 +39,11 @@ def _root_split(x: ScaledArray, n: int) -> tuple[jax.Array, jax.Array]:
     ``0 <= r < n``; a square root's on the exponent field in place (:func:`pow2_sqrt_split`)."""
     if n == 2:
         root, remainder = pow2_sqrt_split(scale_f32(x))
-        return times_scalar(compute_data(x), remainder), root
+        return times_scalar(widened(x.data), remainder), root
     exponent = pow2_exponent(scale_f32(x))
     k = floor_divide_exponent(exponent, n)
     remainder = pow2_from_exponent(lax.sub(exponent, lax.mul(k, np.int32(n))))
-    return times_scalar(compute_data(x), remainder), pow2_from_exponent(k)
+    return times_scalar(widened(x.data), remainder), pow2_from_exponent(k)
 
 
 @register_scale_rule(lax.integer_pow_p, properties=Property.FOLDS_SCALARS)
@@ -57,7 +57,7 @@ def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     into the scale (value unchanged) whenever the largest ``|d|^y`` would leave the guard
     band; ``t`` puts ``max |d|`` in ``[1, 2)``. Healthy data gives the static result.
     """
-    wide, scale = compute_data(x), scale_f32(x)
+    wide, scale = widened(x.data), scale_f32(x)
     factors = _power_guard_factors(wide, x.dtype, y)
     if factors is not None:
         down, up = factors

@@ -22,20 +22,7 @@ from jax_scaled.scales import (
     scale_f32,
     scale_reciprocal,
     times_scalar,
-    widened,
 )
-
-
-def compute_data(x: ScaledArray) -> jax.Array:
-    """The data of ``x`` in its compute dtype (float32 for narrow formats): where a rule
-    computes before rounding once to the output's format.
-
-    Example:
-        >>> compute_data(ScaledArray(jnp.ones(2, jnp.float16), jnp.float32(2.0))).dtype
-        dtype('float32')
-    """
-    return widened(x.data)
-
 
 # ---------------------------------------------------------------------------------------
 # Selections (select_n, max, min, clamp, concatenate)
