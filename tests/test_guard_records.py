@@ -23,6 +23,12 @@ def _guarded_product(x, w):
     return x @ w  # a float16 contraction: its output is range-guarded
 
 
+def _reductions(fn, *args) -> int:
+    """``reduce_max`` equations of ``fn`` scalified."""
+    jaxpr = jax.make_jaxpr(js.scalify(fn))(*args).jaxpr
+    return sum(e.primitive.name == "reduce_max" for e in all_eqns(jaxpr))
+
+
 def _bytes(y: js.ScaledArray) -> tuple[bytes, bytes]:
     return np.asarray(y.data).tobytes(), np.asarray(y.scale).tobytes()
 
@@ -38,17 +44,8 @@ def test_a_guarded_output_s_next_guard_reads_its_largest_magnitude(consumer, how
     together = jax.jit(js.scalify(lambda x, w: read(_guarded_product(x, w))))(x, w)
     apart = jax.jit(js.scalify(read))(jax.jit(js.scalify(_guarded_product))(x, w))
     assert _bytes(together) == _bytes(apart)
-    count = {
-        name: sum(
-            e.primitive.name == "reduce_max"
-            for e in all_eqns(jax.make_jaxpr(js.scalify(fn))(*args).jaxpr)
-        )  # fmt: skip
-        for name, fn, args in [
-            ("together", lambda x, w: read(_guarded_product(x, w)), (x, w)),
-            ("product", _guarded_product, (x, w)),
-        ]
-    }
-    assert count["together"] == count["product"]
+    together = _reductions(lambda x, w: read(_guarded_product(x, w)), x, w)
+    assert together == _reductions(_guarded_product, x, w)
 
 
 @pytest.mark.parametrize("special", [0.0, np.inf, np.nan])
@@ -85,3 +82,47 @@ def test_a_scalar_divided_by_ones_takes_their_shape():
     x = js.scaled_array(jnp.float32(1.5), 4.0)
     y = js.scalify(divided)(x)
     assert y.shape == (3,) and js.asarray(y).tolist() == [6.0, 6.0, 6.0]
+
+
+LAYOUTS = {
+    "reshape": lambda y: jnp.reshape(y, (128, 256)),
+    "transpose": lambda y: y.T,
+    "broadcast": lambda y: jnp.broadcast_to(y, (2, 256, 128)),
+    "expand_dims then squeeze": lambda y: jnp.squeeze(y[None], 0),
+    "rev": lambda y: jax.lax.rev(y, (0,)),  # jnp.flip: a jit of its own, a trace the record
+    # does not reach
+    "tile": lambda y: jnp.tile(y, (2, 1)),
+    "sum of one term": lambda y: jnp.sum(y[:, None], axis=1),
+}
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("consumer", ["cast to E4M3", "square"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_guard_record_holds_through_data_movement(layout, consumer, how):
+    # A layout op keeps every magnitude: the next guard reads the product's record.
+    read, move = CONSUMERS[consumer], LAYOUTS[layout]
+    x = built(how, jnp.asarray(heavy_tailed(6, (256, 128))), jnp.float16, 2.0**-20)
+    w = js.as_scaled_array(jnp.asarray(heavy_tailed(7, (128, 128)) / 16, jnp.float16))
+
+    def together(x, w):
+        return read(move(_guarded_product(x, w)))
+
+    apart = jax.jit(js.scalify(lambda y: read(move(y))))(
+        jax.jit(js.scalify(_guarded_product))(x, w)
+    )
+    assert _bytes(jax.jit(js.scalify(together))(x, w)) == _bytes(apart)
+    assert _reductions(together, x, w) == _reductions(_guarded_product, x, w)
+
+
+@pytest.mark.parametrize("consumer", ["cast to E4M3", "square"])
+def test_a_slice_without_the_largest_datum_is_guarded_afresh(consumer):
+    # A slice drops magnitudes: its guard must not read the whole product's record.
+    read = CONSUMERS[consumer]
+    values = heavy_tailed(8, (256, 128)) / 64
+    values[0, 0] = 2.0**12  # the largest product lands in row 0, which the slice drops
+    x = js.as_scaled_array(jnp.asarray(values, jnp.float16))
+    w = js.as_scaled_array(jnp.eye(128, dtype=jnp.float16))
+    together = jax.jit(js.scalify(lambda x, w: read(_guarded_product(x, w)[1:])))(x, w)
+    apart = jax.jit(js.scalify(lambda y: read(y[1:])))(jax.jit(js.scalify(_guarded_product))(x, w))
+    assert _bytes(together) == _bytes(apart)

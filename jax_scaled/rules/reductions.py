@@ -28,6 +28,7 @@ from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.pow2.static import MAX_SCALE_EXPONENT, MIN_SCALE_EXPONENT
 from jax_scaled.pow2.traced import pow2_exponent, pow2_from_exponent
 from jax_scaled.scales import (
+    carry_largest_magnitude,
     from_compute,
     guarded,
     make_scale,
@@ -71,7 +72,9 @@ def reduce_sum_rule(x: ScaledArray, *, axes: tuple[int, ...], **params) -> Scale
     """
     count = math.prod(x.shape[a] for a in axes)
     if count == 1:  # one term (a size-1 axis, e.g. the gradient of a broadcast): exact as is
-        return _same_scale(x, lax.reduce_sum_p.bind(x.data, axes=axes, **params))
+        data = lax.reduce_sum_p.bind(x.data, axes=axes, **params)
+        carry_largest_magnitude(x.data, data)
+        return _same_scale(x, data)
     wide = lax.convert_element_type(x.data, compute_dtype(x.dtype))
     wide = lax.reduce_sum_p.bind(wide, axes=axes, **params)
     sqrt_n = sqrt_pow2(count)

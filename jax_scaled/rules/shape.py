@@ -21,6 +21,7 @@ from jax_scaled.rules.toolkit import align_selection
 from jax_scaled.scales import (
     align,
     as_scaled,
+    carry_largest_magnitude,
     guard_band,
     guarded,
     make_scale,
@@ -32,14 +33,23 @@ from jax_scaled.scales import (
 
 def _register_data_movement(primitive: Primitive, properties: Property) -> None:
     """Register a rule applying ``primitive`` to the data of its first input, scale kept."""
+    keeps_magnitudes = primitive in _KEEPING_EVERY_ELEMENT
 
     def rule(x: ScaledArray, *args: Value, **params) -> ScaledArray:
         """Data movement: the primitive on data (extra inputs passed as is), same scale."""
-        return ScaledArray(primitive.bind(x.data, *args, **params), x.scale)
+        data = primitive.bind(x.data, *args, **params)
+        if keeps_magnitudes:  # the same largest magnitude: a guard's record still holds
+            carry_largest_magnitude(x.data, data)
+        return ScaledArray(data, x.scale)
 
     rule.__name__ = rule.__qualname__ = f"{primitive.name}_rule"
     register_scale_rule(primitive, properties=properties, estimate=estimates.first)(rule)
 
+
+# Every element of the operand, some repeated, and nothing else (a slice drops some).
+_KEEPING_EVERY_ELEMENT = frozenset(
+    {lax.reshape_p, lax.squeeze_p, lax.broadcast_in_dim_p, lax.transpose_p, lax.rev_p, lax.tile_p}
+)
 
 # Reshapes keep a broadcast of a scalar one (SHAPE_ONLY); all but tile keep scale-free values.
 _RESHAPE = (

@@ -29,6 +29,7 @@ from jax_scaled.scales.geometry import (
 from jax_scaled.scales.guard import (
     WIDE_CARRY_BAND,
     carry_band,
+    carry_largest_magnitude,
     centre_exponent,
     centred,
     fitting_scale,
@@ -69,6 +70,7 @@ __all__ = [
     "align",
     "as_scaled",
     "carry_band",
+    "carry_largest_magnitude",
     "centre_exponent",
     "centred",
     "common_blocks",

@@ -217,6 +217,25 @@ def widened(data: jax.Array) -> jax.Array:
     return memoized("widened", data, convert)
 
 
+def carry_largest_magnitude(source: jax.Array, result: jax.Array) -> None:
+    """Give ``result`` the largest-magnitude records of ``source`` (a guard's, a rescale's),
+    for data holding exactly the magnitudes of ``source``, some repeated: a reshape, a
+    transpose, a broadcast, a sum of one term. A later guard of ``result`` then reads them
+    rather than reducing it again. Nothing for another dtype or outside a scalified call.
+
+    Example:
+        >>> carry_largest_magnitude(jnp.ones(3), jnp.ones((3, 1)))  # concrete: nothing kept
+        >>> recorded_largest_magnitude(jnp.ones((3, 1))) is None
+        True
+    """
+    if result.dtype != source.dtype:
+        return
+    for kind in (_LARGEST, _NARROW_LARGEST):
+        record = recorded(kind, source)
+        if record is not None:
+            memoized(kind, result, lambda record=record: record)
+
+
 def _record_guarded(data: jax.Array, wide: jax.Array, down: jax.Array) -> None:
     """Record for the narrow ``data = cast(wide * down)`` its largest magnitude, from the one
     the guard took of ``wide``: rounding to ``data``'s format is monotone and symmetric, so
