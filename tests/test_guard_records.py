@@ -96,13 +96,14 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("scale", [2.0**-20, 2.0**20])
 @pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("consumer", ["cast to E4M3", "square"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_guard_record_holds_through_data_movement(layout, consumer, how):
+def test_a_guard_record_holds_through_data_movement(layout, consumer, how, scale):
     # A layout op keeps every magnitude: the next guard reads the product's record.
     read, move = CONSUMERS[consumer], LAYOUTS[layout]
-    x = built(how, jnp.asarray(heavy_tailed(6, (256, 128))), jnp.float16, 2.0**-20)
+    x = built(how, jnp.asarray(heavy_tailed(6, (256, 128))), jnp.float16, scale)
     w = js.as_scaled_array(jnp.asarray(heavy_tailed(7, (128, 128)) / 16, jnp.float16))
 
     def together(x, w):
@@ -113,6 +114,25 @@ def test_a_guard_record_holds_through_data_movement(layout, consumer, how):
     )
     assert _bytes(jax.jit(js.scalify(together))(x, w)) == _bytes(apart)
     assert _reductions(together, x, w) == _reductions(_guarded_product, x, w)
+
+
+@pytest.mark.parametrize("scale", [2.0**-20, 2.0**20])
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("layout", ["reshape", "transpose", "broadcast"])
+def test_a_float32_rescale_s_record_holds_through_data_movement(layout, how, scale):
+    # A dynamic rescale records the largest magnitude of its float32 output; a cast of the
+    # moved data to float16 reads it (float32 data at scales far from 1).
+    move = LAYOUTS[layout]
+    x = built(how, jnp.asarray(heavy_tailed(9, (256, 128))), jnp.float32, scale)
+
+    def together(x):
+        return move(js.ops.dynamic_rescale_l2(x)).astype(jnp.float16)
+
+    apart = jax.jit(js.scalify(lambda y: move(y).astype(jnp.float16)))(
+        jax.jit(js.scalify(js.ops.dynamic_rescale_l2))(x)
+    )
+    assert _bytes(jax.jit(js.scalify(together))(x)) == _bytes(apart)
+    assert _reductions(together, x) == _reductions(js.ops.dynamic_rescale_l2, x)
 
 
 @pytest.mark.parametrize("consumer", ["cast to E4M3", "square"])

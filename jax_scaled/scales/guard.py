@@ -224,9 +224,15 @@ def carry_largest_magnitude(source: jax.Array, result: jax.Array) -> None:
     rather than reducing it again. Nothing for another dtype or outside a scalified call.
 
     Example:
-        >>> carry_largest_magnitude(jnp.ones(3), jnp.ones((3, 1)))  # concrete: nothing kept
-        >>> recorded_largest_magnitude(jnp.ones((3, 1))) is None
-        True
+        >>> from jax_scaled.memo import scale_memo
+        >>> def moved_record(x):
+        ...     with scale_memo():
+        ...         record_largest_magnitude(x, jnp.max(jnp.abs(x)))
+        ...         moved = x.reshape(2, 2)
+        ...         carry_largest_magnitude(x, moved)
+        ...         return recorded_largest_magnitude(moved)
+        >>> float(jax.jit(moved_record)(jnp.array([1.0, -5.0, 2.0, 3.0])))
+        5.0
     """
     if result.dtype != source.dtype:
         return
