@@ -51,6 +51,8 @@ def promote_inputs(in_slots: list[Slot], multiplicative: bool = False) -> list[V
     scale = next((s.value.scale for s in in_slots if s.is_scaled), None)
     if scale is None:
         return [s.value for s in in_slots]
+    if all(s.is_scaled or _stays_plain(s) for s in in_slots):
+        return [s.value for s in in_slots]  # nothing to promote: no scale to work out
     if np.ndim(scale) > 0:  # block scales: a scale-free operand takes the largest
         largest = lax.reduce_max(as_float32(scale), tuple(range(np.ndim(scale))))
         scale = lax.convert_element_type(largest, scale.dtype)
@@ -61,6 +63,13 @@ def promote_inputs(in_slots: list[Slot], multiplicative: bool = False) -> list[V
     scale_dtype = current_config().scale_dtype or scale.dtype
     factor_of = scale if multiplicative else None
     return [promote(s, reference, scale_dtype, factor_of) for s in in_slots]
+
+
+def _stays_plain(slot: Slot) -> bool:
+    """True for a plain operand :func:`promote` returns as it is (no static facts, or not a
+    float)."""
+    no_facts = slot.base is None and slot.constant is None and slot.estimate is None
+    return no_facts and not slot.any_scale or not jnp.issubdtype(slot.value.dtype, jnp.floating)
 
 
 def zero_factor_scale(other_scale: jax.Array) -> jax.Array:
@@ -129,9 +138,7 @@ def promote(
         8.0
     """
     value = slot.value
-    no_facts = slot.base is None and slot.constant is None and slot.estimate is None
-    no_facts = no_facts and not slot.any_scale
-    if slot.is_scaled or no_facts or not jnp.issubdtype(value.dtype, jnp.floating):
+    if slot.is_scaled or _stays_plain(slot):
         return value
     if slot.is_any_scale:
         # Zeros, infinities and NaNs are the same at any scale: take the other operand's.
