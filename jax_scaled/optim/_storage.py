@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import DTypeLike
 
 from jax_scaled import _jax_internals as jxi
@@ -19,9 +20,10 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.construction import as_scaled_array
 from jax_scaled.dtypes import float_dtype
 from jax_scaled.engine.interpreter import scalify
-from jax_scaled.engine.registry import register_scale_rule
+from jax_scaled.engine.registry import register_block_rule, register_scale_rule
 from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.ops.rescale import dynamic_rescale_rule
+from jax_scaled.primitives import stop_scaling
 from jax_scaled.quantize import quantize
 from jax_scaled.rules.casts import saturate
 from jax_scaled.scales import as_scaled
@@ -77,6 +79,36 @@ def rescaled(x: jax.Array, rescale: str | None) -> jax.Array:
     return x if rescale is None else RESCALES[rescale](x)
 
 
+# -- plain compute: float32 arithmetic needs no scale ----------------------------------------
+
+
+def computes_plain(compute_dtype: DTypeLike | None) -> bool:
+    """True when an update computing in ``compute_dtype`` runs on plain values: a format with
+    float32's exponent range (float32, bfloat16, float64) holds any value a float32 scale
+    can, so a scale would only add arithmetic. Narrower formats (float16, ``None``: the
+    stored dtype) keep their scales.
+
+    Example:
+        >>> computes_plain(jnp.float32), computes_plain(jnp.float16), computes_plain(None)
+        (True, False, False)
+    """
+    if compute_dtype is None:
+        return False
+    info, wide = jnp.finfo(compute_dtype), jnp.finfo(jnp.float32)
+    return info.maxexp >= wide.maxexp and info.minexp <= wide.minexp
+
+
+def plain_tree(tree: Any, compute_dtype: DTypeLike) -> Any:
+    """Every floating leaf of ``tree`` as the plain value it represents (``data * scale``,
+    block scales included: exact), in the wider of its dtype and ``compute_dtype``; other
+    leaves unchanged."""
+
+    def plain(x: Any) -> Any:
+        return stop_scaling(x, wider_dtype(x.dtype, compute_dtype)) if is_float(x) else x
+
+    return tree_map(plain, tree)
+
+
 # -- promote_plain: a plain array gets a scale from its statistics ----------------------------
 
 
@@ -102,6 +134,54 @@ def _promote_plain_rule(x: jax.Array) -> ScaledArray:
     if isinstance(x, ScaledArray) or not jnp.issubdtype(x.dtype, jnp.floating):
         return x
     return dynamic_rescale_rule(as_scaled(x), norm="l2")
+
+
+def centred(x: jax.Array, rescale: str | None, scale_dtype: DTypeLike | None = None) -> jax.Array:
+    """Under scalify: ``x`` re-centred on the ``rescale`` statistic of its data. A plain
+    floating ``x`` becomes a ScaledArray at that statistic (at its RMS for ``None``, as
+    :func:`promote_plain` makes it), its scale in ``scale_dtype``; a ScaledArray keeps its
+    scale with ``None``. Outside scalify: ``x``."""
+    scale_dtype = None if scale_dtype is None else jnp.dtype(scale_dtype)
+    return centred_p.bind(x, norm=rescale, scale_dtype=scale_dtype)
+
+
+def _identity_with(x, **_):
+    return x
+
+
+centred_p = jxi.define_primitive("centred", _identity_with, straight_through=True)
+
+
+@register_scale_rule(centred_p, applies_to_unscaled=True)
+def _centred_rule(x: jax.Array, *, norm: str | None, scale_dtype: Any) -> jax.Array:
+    if not jnp.issubdtype(x.dtype, jnp.floating) or norm is None and isinstance(x, ScaledArray):
+        return x
+    out = dynamic_rescale_rule(as_scaled(x), norm=norm or "l2")
+    if isinstance(x, ScaledArray) or scale_dtype is None:
+        return out
+    return ScaledArray(out.data, out.scale.astype(scale_dtype))
+
+
+def unit_scaled(x: jax.Array, dtype: DTypeLike, scale_dtype: DTypeLike | None = None) -> jax.Array:
+    """Under scalify: the value of ``x`` as ``dtype`` data at scale 1 (a trace-time constant,
+    free at run time), for storage in a format that needs no scale (float32, float64).
+    Outside scalify: ``x`` cast to ``dtype``."""
+    scale_dtype = None if scale_dtype is None else jnp.dtype(scale_dtype)
+    return unit_scaled_p.bind(x, dtype=jnp.dtype(dtype), scale_dtype=scale_dtype)
+
+
+def _cast(x, *, dtype, scale_dtype):
+    return x.astype(dtype)
+
+
+unit_scaled_p = jxi.define_primitive("unit_scaled", _cast, straight_through=True)
+
+
+@register_block_rule(unit_scaled_p, behaviour="consumes")  # block scales expand exactly
+@register_scale_rule(unit_scaled_p, applies_to_unscaled=True)
+def _unit_scaled_rule(x: jax.Array, *, dtype: jnp.dtype, scale_dtype: Any) -> ScaledArray:
+    unit = np.ones((), np.float32).astype(scale_dtype or np.float32)
+    return ScaledArray(as_scaled(x).to_array(dtype), unit)
 
 
 # -- storage ---------------------------------------------------------------------------------
@@ -157,13 +237,14 @@ def stored(
     """
     if jnp.ndim(x) == 0:  # a hyperparameter or a scalar's moment: costs nothing in float32
         dtype = wider_dtype(dtype, jnp.float32)
+    if jnp.finfo(dtype).bits >= 32 and computes_plain(dtype):
+        return unit_scaled(x, dtype, scale_dtype)
     blocks = storage_blocks(jnp.shape(x), block_size)
     if blocks is not None:
         return quantize(
             x, dtype, block_shape=blocks, scale_rounding="rceil", scale_dtype=scale_dtype
         )
-    x = rescaled(promote_plain(x), rescale)
-    return saturate(x, dtype).astype(dtype)
+    return saturate(centred(x, rescale, scale_dtype), dtype).astype(dtype)
 
 
 def stored_tree(
