@@ -187,8 +187,8 @@ def all_finite(*trees: Any) -> jax.Array:
 
 def make_optimizer(config: TrainConfig, precision: Precision) -> optax.GradientTransformation:
     """Adam with linear warmup and cosine decay after clipping the gradients' global norm;
-    FP16-state configurations store its state as scaled float16
-    (:func:`jax_scaled.optim.scaled_state`)."""
+    scalify configurations store its state with :func:`jax_scaled.optim.scaled_state`: scaled
+    float16 for FP16 state, float32 otherwise (both computed in plain float32)."""
     warmup = max(1, round(config.warmup_fraction * config.steps))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.learning_rate, warmup, max(config.steps, warmup + 1),
@@ -197,8 +197,10 @@ def make_optimizer(config: TrainConfig, precision: Precision) -> optax.GradientT
     adam = optax.adam(schedule, b1=config.b1, b2=config.b2, eps=config.eps)
     if config.clip_norm:
         adam = optax.chain(optax.clip_by_global_norm(config.clip_norm), adam)
-    if precision.scalify and precision.state_dtype == F16:
-        return js.optim.scaled_state(adam, F16, rescale_grads=precision.rescale_grads)
+    if precision.scalify:
+        return js.optim.scaled_state(
+            adam, precision.state_dtype, rescale_grads=precision.rescale_grads
+        )
     return adam
 
 
@@ -287,8 +289,6 @@ def initial_state(params, opt, precision: Precision, config: TrainConfig) -> tup
         params = js.tree.astype(params, precision.master_dtype)
         return params, opt.init(params), None
     opt_state = opt.init(params)  # scaled_state's init stores its state scaled itself
-    if precision.state_dtype == F32:
-        opt_state = js.as_scaled_array(opt_state)
     if precision.master_dtype == F32:
         return js.as_scaled_array(params), opt_state, None
     return js.optim.as_master(params, precision.master_dtype), opt_state, None
