@@ -109,7 +109,7 @@ def plain_tree(tree: Any, compute_dtype: DTypeLike) -> Any:
     return tree_map(plain, tree)
 
 
-# -- promote_plain: a plain array gets a scale from its statistics ----------------------------
+# -- centred: a plain array gets a scale from its statistics ----------------------------------
 
 
 def promote_plain(x: jax.Array) -> jax.Array:
@@ -119,37 +119,23 @@ def promote_plain(x: jax.Array) -> jax.Array:
     A plain array carries no scale, so the rules assume unit scale for it: gradients of
     magnitude 2^-12 mixed into scaled float16 state would be stored with data near 2^-24.
     """
-    return promote_plain_p.bind(x)
-
-
-def _identity(x):
-    return x
-
-
-promote_plain_p = jxi.define_primitive("promote_plain", _identity, straight_through=True)
-
-
-@register_scale_rule(promote_plain_p, applies_to_unscaled=True)
-def _promote_plain_rule(x: jax.Array) -> ScaledArray:
-    if isinstance(x, ScaledArray) or not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
-    return dynamic_rescale_rule(as_scaled(x), norm="l2")
+    return centred(x, None)
 
 
 def centred(x: jax.Array, rescale: str | None, scale_dtype: DTypeLike | None = None) -> jax.Array:
     """Under scalify: ``x`` re-centred on the ``rescale`` statistic of its data. A plain
-    floating ``x`` becomes a ScaledArray at that statistic (at its RMS for ``None``, as
-    :func:`promote_plain` makes it), its scale in ``scale_dtype``; a ScaledArray keeps its
-    scale with ``None``. Outside scalify: ``x``."""
+    floating ``x`` becomes a ScaledArray at that statistic (at its RMS for ``None``: see
+    :func:`promote_plain`), its scale in ``scale_dtype``; a ScaledArray keeps its scale with
+    ``None``. Outside scalify: ``x``."""
     scale_dtype = None if scale_dtype is None else jnp.dtype(scale_dtype)
     return centred_p.bind(x, norm=rescale, scale_dtype=scale_dtype)
 
 
-def _identity_with(x, **_):
+def _identity(x, **_):
     return x
 
 
-centred_p = jxi.define_primitive("centred", _identity_with, straight_through=True)
+centred_p = jxi.define_primitive("centred", _identity, straight_through=True)
 
 
 @register_scale_rule(centred_p, applies_to_unscaled=True)
@@ -229,11 +215,11 @@ def stored(
     With ``block_size``, quantized to ``dtype`` with one power-of-two scale per block
     (:func:`storage_blocks`; ``"rceil"`` scale rounding: each block's largest value at the top of
     the format, never saturated), so each block keeps the format's whole range below its own
-    largest element. Otherwise one scale: made scaled (:func:`promote_plain`), rescaled while
-    its data is still wide, clipped to the finite range of ``dtype`` (no ``inf``/``NaN`` from
-    an overflowing cast), cast to ``dtype``. Scalars keep at least float32 data: they are
-    hyperparameters (schedule-free's ``b1``, injected learning rates) or moments of scalar
-    parameters, precision-sensitive and small.
+    largest element. Otherwise one scale: re-centred (:func:`centred`, which also gives a plain
+    value a scale) while its data is still wide, clipped to the finite range of ``dtype``
+    (no ``inf``/``NaN`` from an overflowing cast), cast to ``dtype``. Scalars keep at least
+    float32 data: they are hyperparameters (schedule-free's ``b1``, injected learning rates)
+    or moments of scalar parameters, precision-sensitive and small.
     """
     if jnp.ndim(x) == 0:  # a hyperparameter or a scalar's moment: costs nothing in float32
         dtype = wider_dtype(dtype, jnp.float32)
