@@ -35,6 +35,7 @@ from jax_scaled.engine import block_dispatch, constants, recording
 from jax_scaled.engine.facts import Slot, constant_slot, forwarded
 from jax_scaled.engine.fusion import (
     bundle_scales,
+    casts_guarded_together,
     computed_once_where_shared,
     guards_shared_sum,
     marked_computed,
@@ -140,6 +141,7 @@ def interpret_jaxpr(
         return constant_slot(atom.val, constants.true_value(atom))
 
     const_slots = [constant_slot(c) for c in consts]
+    casts_guarded_together(jaxpr, list(in_slots))
     with recording.batched_observations():
         return evaluate_jaxpr(jaxpr, const_slots, in_slots, step, literal)
 

@@ -22,6 +22,7 @@ from jax_scaled.rules.toolkit import align_selection, has_static_scale
 from jax_scaled.scales import (
     align,
     as_scaled,
+    cast_guarded,
     centred,
     from_compute,
     guard_band,
@@ -396,8 +397,7 @@ def convert_element_type_rule(x: ScaledArray, *, new_dtype, **params) -> Value:
     bind = functools.partial(lax.convert_element_type_p.bind, new_dtype=new_dtype, **params)
     if not jnp.issubdtype(new_dtype, jnp.floating):
         return bind(to_compute(x))
-    narrowing = jnp.finfo(new_dtype).maxexp < jnp.finfo(x.dtype).maxexp
-    if narrowing and guard_band(new_dtype) is not None:
+    if cast_guarded(x.dtype, new_dtype):
         return guarded(widened(x.data), scale_f32(x), new_dtype, x)
     if (
         new_dtype == compute_dtype(x.dtype)

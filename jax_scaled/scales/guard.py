@@ -14,11 +14,14 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.dtypes import compute_dtype
@@ -30,7 +33,12 @@ from jax_scaled.pow2.static import (
     static_pow2_bits,
     static_pow2_exponent,
 )
-from jax_scaled.pow2.xla import computed_once, float_division, largest_magnitude
+from jax_scaled.pow2.xla import (
+    computed_once,
+    computed_once_per_block,
+    float_division,
+    largest_magnitude,
+)
 from jax_scaled.scales.values import Value, make_scale, scale_f32, scale_mul, times_scalar
 
 
@@ -110,6 +118,18 @@ def products_guarded(dtype) -> bool:
         (True, False)
     """
     return top_of_format(dtype) and guard_band(dtype) is not None
+
+
+def cast_guarded(from_dtype, to_dtype) -> bool:
+    """True when a cast of float data from ``from_dtype`` into ``to_dtype`` is range-guarded:
+    a narrowing into a format with a guard band (:func:`guard_band`).
+
+    Example:
+        >>> cast_guarded(jnp.float32, jnp.float16), cast_guarded(jnp.float16, jnp.float32)
+        (True, False)
+    """
+    narrowing = jnp.finfo(to_dtype).maxexp < jnp.finfo(from_dtype).maxexp
+    return narrowing and guard_band(to_dtype) is not None
 
 
 def fitting_scale(bound: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -286,24 +306,73 @@ def guard_factors(
     band = guard_band(dtype) if band is None else band
     if band is None or wide.size == 0:
         return None
-    low, high, target = (e + divisor_exponent for e in band)
-    field = static_pow2_bits  # the exponent field of 2^e, as a uint32 literal
+    kind = _factors_kind(band, divisor_exponent)
+    found = recorded(kind, wide)
+    if found is not None:
+        return found
     largest = memoized(_LARGEST, wide, lambda: largest_magnitude(wide))
-    exponent_bits = lax.bitwise_and(lax.bitcast_convert_type(largest, jnp.uint32), EXPONENT_FIELD)
+    up = computed_once(_up_factor(largest, band, divisor_exponent))
+    # Exact: both factors are normal powers of two.
+    down = float_division(np.float32(2.0**-divisor_exponent), up)
+    return down, up
+
+
+def _factors_kind(band: tuple[int, int, int], divisor_exponent: int) -> str:
+    return f"guard_factors{band}/{divisor_exponent}"
+
+
+def _up_factor(largest: jax.Array, band: tuple[int, int, int], divisor_exponent: int) -> jax.Array:
+    """The guard's factor ``up`` for data whose largest magnitude is ``largest`` (float32,
+    elementwise for several guards at once)."""
+    low, high, target = (e + divisor_exponent for e in band)
+
+    def field(exponent: int, minus: int = 0) -> np.ndarray:  # of 2^e, as uint32 literals
+        return np.full(largest.shape, static_pow2_bits(exponent) - np.uint32(minus))
+
+    exponent_bits = lax.bitwise_and(
+        lax.bitcast_convert_type(largest, jnp.uint32), np.full(largest.shape, EXPONENT_FIELD)
+    )
     # Below the band but not zero, or above it but finite: two unsigned range tests, where
     # a field under the range's start wraps around to a huge value.
     outside = lax.bitwise_or(
-        lax.lt(lax.sub(exponent_bits, np.uint32(1)), np.uint32(field(low) - 1)),
-        lax.lt(lax.sub(exponent_bits, field(high)), np.uint32(EXPONENT_FIELD - field(high))),
+        lax.lt(lax.sub(exponent_bits, np.ones(largest.shape, np.uint32)), field(low, 1)),
+        lax.lt(
+            lax.sub(exponent_bits, field(high)),
+            np.full(largest.shape, EXPONENT_FIELD - static_pow2_bits(high)),
+        ),
     )
     # The exponent field moved to the target: the largest datum's (no lower than 2^-126
     # times the target), or the target's own when nothing moves.
     centre = lax.select(outside, lax.max(exponent_bits, field(target - 126)), field(target))
     up_bits = lax.sub(centre, field(target - EXPONENT_BIAS))
-    up = computed_once(lax.bitcast_convert_type(up_bits, jnp.float32))
-    # Exact: both factors are normal powers of two.
-    down = float_division(np.float32(2.0**-divisor_exponent), up)
-    return down, up
+    return lax.bitcast_convert_type(up_bits, jnp.float32)
+
+
+def guard_factors_together(wides: Sequence[jax.Array], dtype) -> None:
+    """Work out the range guard's factors (:func:`guard_factors`) of several arrays at once,
+    in one small kernel rather than one per array; :func:`guard_factors` then reads them.
+    For guards whose data are all known at the same point (the casts of a step's
+    parameters). Nothing where no guard applies or outside a scalified call.
+
+    Example:
+        >>> from jax_scaled.memo import scale_memo
+        >>> def both(x, y):
+        ...     with scale_memo():
+        ...         guard_factors_together([x, y], jnp.float16)
+        ...         return guard_factors(x, jnp.float16)[1], guard_factors(y, jnp.float16)[1]
+        >>> [float(u) for u in jax.jit(both)(jnp.array([2.0**17]), jnp.array([1.0]))]
+        [16384.0, 1.0]
+    """
+    band = guard_band(dtype)
+    wides = list({id(w): w for w in wides if w.size and isinstance(w, jxi.Tracer)}.values())
+    if band is None or len(wides) < 2:
+        return
+    largest = jnp.stack([memoized(_LARGEST, w, lambda w=w: largest_magnitude(w)) for w in wides])
+    up = computed_once_per_block(_up_factor(largest, band, 0))
+    down = float_division(np.ones(up.shape, np.float32), up)
+    kind = _factors_kind(band, 0)
+    for i, wide in enumerate(wides):
+        memoized(kind, wide, lambda i=i: (down[i], up[i]))
 
 
 def guarded(
