@@ -40,7 +40,6 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.engine.facts import Slot
 from jax_scaled.memo import memoized
 from jax_scaled.pow2.xla import computed_once, computed_together, computed_together_as_bits
-from jax_scaled.scales import cast_guarded, guard_factors_together, widened
 
 # A 0-d value's readers are spread over the whole program (a global norm, a scheduled
 # learning rate, read by every parameter's update): copies of its chain grow with the model.
@@ -240,45 +239,3 @@ def _bundles(x: object) -> bool:
         and x.scale.ndim == 0
         and x.scale.dtype in (jnp.float32, jnp.float16, jnp.bfloat16)
     )
-
-
-def casts_guarded_together(jaxpr: jxi.Jaxpr, in_slots: list[Slot]) -> None:
-    """Work out together the range guards of the narrowing casts of ``jaxpr``'s inputs (a
-    train step's float32 parameters cast to float16): their data is all there before the
-    first equation, so one small kernel derives every guard's factors
-    (:func:`~jax_scaled.scales.guard.guard_factors_together`) instead of one kernel (and a
-    division) per parameter.
-
-    Example:
-        >>> from jax_scaled.memo import scale_memo
-        >>> jaxpr = jax.make_jaxpr(lambda a, b: (a.astype(jnp.float16), b.astype(jnp.float16)))
-        >>> def guards_of(a, b):
-        ...     with scale_memo():
-        ...         slots = [Slot(js.scaled_array(a, 1.0)), Slot(js.scaled_array(b, 1.0))]
-        ...         casts_guarded_together(jaxpr(a, b).jaxpr, slots)
-        ...         return js.scales.guard_factors(slots[0].value.data, jnp.float16)[1]
-        >>> float(jax.jit(guards_of)(jnp.full(2, 2.0**20), jnp.ones(3)))
-        131072.0
-    """
-    slot_of = {v: s for v, s in zip(jaxpr.invars, in_slots, strict=True)}
-    wides: dict[object, list] = {}
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is not lax.convert_element_type_p:
-            continue
-        slot = slot_of.get(eqn.invars[0]) if isinstance(eqn.invars[0], jxi.Var) else None
-        if slot is None:
-            continue
-        x, new_dtype = slot.value, eqn.params["new_dtype"]
-        if _guarded_cast(x, new_dtype):
-            wides.setdefault(jnp.dtype(new_dtype), []).append(widened(x.data))
-    for dtype, group in wides.items():
-        guard_factors_together(group, dtype)
-
-
-def _guarded_cast(x: object, new_dtype: object) -> bool:
-    """Whether the cast of ``x`` to ``new_dtype`` is a per-tensor range-guarded narrowing."""
-    if not isinstance(x, ScaledArray) or x.scale.ndim:
-        return False
-    if not (jnp.issubdtype(new_dtype, jnp.floating) and jnp.issubdtype(x.dtype, jnp.floating)):
-        return False
-    return cast_guarded(x.dtype, new_dtype)

@@ -35,7 +35,6 @@ from jax_scaled.engine import block_dispatch, constants, recording
 from jax_scaled.engine.facts import Slot, constant_slot, forwarded
 from jax_scaled.engine.fusion import (
     bundle_scales,
-    casts_guarded_together,
     computed_once_where_shared,
     guards_shared_sum,
     marked_computed,
@@ -45,6 +44,7 @@ from jax_scaled.engine.fusion import (
 from jax_scaled.engine.peephole import transposed_contractions, use_counts
 from jax_scaled.engine.promotion import normalized_scalar, normalizes, promote_inputs
 from jax_scaled.engine.registry import Property, record
+from jax_scaled.engine.together import SharedWork
 from jax_scaled.engine.tracing import Traced, bind_eqn, call_traced, evaluate_jaxpr
 from jax_scaled.scales.geometry import is_blocked
 
@@ -126,8 +126,11 @@ def interpret_jaxpr(
     broadcasts = {e.outvars[0] for e in eqns if e.primitive is lax.broadcast_in_dim_p}
 
     def step(eqn: jxi.JaxprEqn, eqn_slots: list[Slot]) -> list[Slot]:
+        outvars = eqn.outvars
         if id(eqn) in passed_on:
+            shared.bind(outvars, eqn_slots)
             return eqn_slots
+        shared.before(eqn)
         swap = swaps.get(id(eqn))
         if swap is not None and any(s.is_scaled for s in eqn_slots):
             # A scaled weight gradient: the swapped dot computes the transpose's value.
@@ -135,13 +138,16 @@ def interpret_jaxpr(
             passed_on.add(id(transpose))
             eqn_slots = eqn_slots[::-1]
         with _sum_guard(eqn, uses, broadcasts):
-            return computed_once_where_shared(eqn.outvars, interpret_eqn(eqn, eqn_slots), uses)
+            outs = interpret_eqn(eqn, eqn_slots)
+        outs = computed_once_where_shared(eqn.outvars, outs, uses)
+        shared.bind(outvars, outs)
+        return outs
 
     def literal(atom: jxi.Literal) -> Slot:
         return constant_slot(atom.val, constants.true_value(atom))
 
     const_slots = [constant_slot(c) for c in consts]
-    casts_guarded_together(jaxpr, list(in_slots))
+    shared = SharedWork(jaxpr, const_slots, in_slots, literal)
     with recording.batched_observations():
         return evaluate_jaxpr(jaxpr, const_slots, in_slots, step, literal)
 

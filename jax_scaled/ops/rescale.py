@@ -26,6 +26,7 @@ trace ``jax.grad`` inside ``scalify`` for them to see scaled cotangents.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +36,10 @@ from jax_scaled.array import ScaledArray
 from jax_scaled.config import current_config
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine.registry import register_scale_rule
+from jax_scaled.engine.together import register_together
+from jax_scaled.memo import memoized, recorded
 from jax_scaled.pow2.traced import pow2_round, pow2_round_positive
-from jax_scaled.pow2.xla import computed_once
+from jax_scaled.pow2.xla import computed_once, computed_once_per_block
 from jax_scaled.scales import make_scale, rescale, scale_f32
 from jax_scaled.scales.guard import record_largest_magnitude
 
@@ -175,8 +178,58 @@ dynamic_rescale_p = jxi.define_primitive("dynamic_rescale", _identity, straight_
 @register_scale_rule(dynamic_rescale_p)
 def dynamic_rescale_rule(x: ScaledArray, *, norm: str) -> ScaledArray:
     """Move the power of two nearest the data's ``norm`` statistic into the scale."""
+    shared = recorded(_rescaled_kind(norm), x.data)
+    if shared is not None and shared[0] is x.scale:  # worked out with others' (below)
+        return _moved(x, *shared[1:])
     statistic, largest = _data_statistic(x.data, norm)
     return _rebalanced(x, pow2_round(statistic, current_config().rounding), largest)
+
+
+def _rescaled_kind(norm: str) -> str:
+    return f"dynamic_rescale/{norm}"
+
+
+def _rescales_together(norm: str, operands: list[list[Any]]) -> None:
+    """The new scales of several rescales (every new float16 master weight of a step) worked
+    out on a vector, in one kernel and one division instead of one of each per tensor: the
+    same arithmetic as :func:`_rebalanced`'s, elementwise, left in the per-call memo for
+    :func:`dynamic_rescale_rule`."""
+    xs = {id(x.data): x for (x,) in operands if _per_tensor_scaled(x)}
+    xs = [x for x in xs.values() if isinstance(x.data, jxi.Tracer)]
+    if len(xs) < 2:
+        return
+    magnitudes, largest = zip(*(_magnitudes(x.data, norm) for x in xs), strict=True)
+    units = _units_together([x.dtype for x in xs], largest, norm)
+    statistics = map(_statistic, magnitudes, largest, [norm] * len(xs), units)
+    factors = pow2_round(jnp.stack(list(statistics)), current_config().rounding)
+    scales = jnp.stack([scale_f32(x) for x in xs])
+    new_scales = computed_once_per_block(pow2_round_positive(scales * factors))
+    ratios = scales / new_scales
+    for i, x in enumerate(xs):
+        shared = (x.scale, new_scales[i], ratios[i], largest[i])
+        memoized(_rescaled_kind(norm), x.data, lambda shared=shared: shared)
+
+
+def _units_together(
+    dtypes: list[jnp.dtype], largest: tuple[jax.Array, ...], norm: str
+) -> list[jax.Array | None]:
+    """The units of the statistics that take one (:func:`_data_statistic`), worked out by one
+    kernel (computed once, exact: powers of two in ``[2^-126, 2^127]``); None elsewhere."""
+    with_unit = [i for i, dtype in enumerate(dtypes) if _needs_unit(dtype, norm)]
+    units: list[jax.Array | None] = [None] * len(dtypes)
+    if with_unit:
+        together = computed_once_per_block(pow2_round(jnp.stack([largest[i] for i in with_unit])))
+        for k, i in enumerate(with_unit):
+            units[i] = together[k]
+    return units
+
+
+def _per_tensor_scaled(x: Any) -> bool:
+    """Whether the rule rescales ``x`` with one scale (not a plain array, not in blocks)."""
+    return isinstance(x, ScaledArray) and x.scale.ndim == 0 and x.data.size > 0
+
+
+register_together(dynamic_rescale_p, lambda params: params["norm"], _rescales_together)
 
 
 def _data_statistic(data: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
@@ -189,17 +242,35 @@ def _data_statistic(data: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
     the statistic is then the same bit for bit, and its reduction no longer waits for the
     largest magnitude's (two passes over the data became one).
     """
+    magnitude, largest = _magnitudes(data, norm)
+    unit = pow2_round(largest) if _needs_unit(data.dtype, norm) else None
+    return _statistic(magnitude, largest, norm, unit), largest
+
+
+def _magnitudes(data: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
+    """``|data|`` in its compute dtype, and its largest value as a float32 0-d."""
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
     magnitude = jnp.abs(data.astype(compute_dtype(data.dtype)))
-    largest = jnp.max(magnitude, initial=0).astype(jnp.float32)
+    return magnitude, jnp.max(magnitude, initial=0).astype(jnp.float32)
+
+
+def _needs_unit(dtype: jnp.dtype, norm: str) -> bool:
+    """Whether the ``norm`` statistic of ``dtype`` data is taken relative to a unit."""
+    return norm != "max" and not _squares_fit_float32(dtype)
+
+
+def _statistic(
+    magnitude: jax.Array, largest: jax.Array, norm: str, unit: jax.Array | None
+) -> jax.Array:
+    """The ``norm`` statistic of ``magnitude``, relative to ``unit`` (the largest magnitude
+    rounded to a power of two: 1 for all-zero or non-finite data) unless it is None."""
     if norm == "max":
-        return largest, largest
-    if _squares_fit_float32(data.dtype):
-        return _unit_statistic(magnitude, norm).astype(jnp.float32), largest
-    unit = pow2_round(largest)  # 1 for all-zero or non-finite data
+        return largest
+    if unit is None:
+        return _unit_statistic(magnitude, norm).astype(jnp.float32)
     relative = magnitude / unit.astype(magnitude.dtype)
-    return _unit_statistic(relative, norm).astype(jnp.float32) * unit, largest
+    return _unit_statistic(relative, norm).astype(jnp.float32) * unit
 
 
 def _unit_statistic(magnitude: jax.Array, norm: str) -> jax.Array:
@@ -238,7 +309,14 @@ def _rebalanced(x: ScaledArray, factor: jax.Array, largest: jax.Array) -> Scaled
     largest datum's."""
     scale = scale_f32(x)
     new_scale = computed_once(pow2_round_positive(scale * factor))  # in [2^-126, 2^127]
-    ratio = scale / new_scale
+    return _moved(x, new_scale, scale / new_scale, largest)
+
+
+def _moved(
+    x: ScaledArray, new_scale: jax.Array, ratio: jax.Array, largest: jax.Array
+) -> ScaledArray:
+    """``x`` at ``new_scale``, its data multiplied by ``ratio`` (the old scale over the new),
+    its largest magnitude ``largest`` recorded for the new data."""
     data = rescale(x.data, ratio)
     if x.data.dtype == jnp.float32:
         record_largest_magnitude(data, rescale(largest, ratio))

@@ -77,16 +77,26 @@ def apply_updates(
     dtype = None if dtype is None else float_dtype(dtype)
     check_rescale(rescale)
 
-    def add(param: jax.Array | None, update: jax.Array | None) -> jax.Array | None:
-        if param is None or update is None:
-            return param
-        new_dtype = dtype or param.dtype
-        new = jnp.asarray(param + update)
-        if jnp.issubdtype(new_dtype, jnp.floating):
-            new = saturate(rescaled(new, rescale), new_dtype)
-        return new.astype(new_dtype)
-
     def apply(params, updates):
-        return jax.tree.map(add, params, updates, is_leaf=lambda x: x is None)
+        leaves, tree = jax.tree.flatten(params, is_leaf=lambda x: x is None)
+        updates = tree.flatten_up_to(updates)
+        new = list(leaves)
+        dtypes = {
+            i: dtype or p.dtype
+            for i, (p, u) in enumerate(zip(leaves, updates, strict=True))
+            if p is not None and u is not None
+        }
+        floating = [i for i, d in dtypes.items() if jnp.issubdtype(d, jnp.floating)]
+        # Each stage for every parameter before the next, so that the parameters' rescales
+        # and their casts' range guards share kernels (jax_scaled.engine.together).
+        for i in dtypes:
+            new[i] = jnp.asarray(leaves[i] + updates[i])
+        for i in floating:
+            new[i] = rescaled(new[i], rescale)
+        for i in floating:
+            new[i] = saturate(new[i], dtypes[i])
+        for i, d in dtypes.items():
+            new[i] = new[i].astype(d)
+        return jax.tree.unflatten(tree, new)
 
     return like_reference(params, call_scaled(apply, params, updates))

@@ -4,6 +4,7 @@ Powers and roots are in :mod:`jax_scaled.rules.powers`."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax_scaled.dtypes import compute_dtype
 from jax_scaled.engine import estimates
 from jax_scaled.engine.facts import converted_fact
 from jax_scaled.engine.registry import Property, register_scale_rule
+from jax_scaled.engine.together import register_together
 from jax_scaled.pow2.static import is_static
 from jax_scaled.pow2.xla import float_division
 from jax_scaled.rules.toolkit import align_selection, has_static_scale
@@ -26,6 +28,7 @@ from jax_scaled.scales import (
     centred,
     from_compute,
     guard_band,
+    guard_factors_together,
     guarded,
     make_scale,
     max_scale,
@@ -408,6 +411,30 @@ def convert_element_type_rule(x: ScaledArray, *, new_dtype, **params) -> Value:
     else:
         data = bind(x.data)
     return ScaledArray(data, make_scale(scale_f32(x), x))
+
+
+def _cast_key(params: dict) -> Any:
+    """Casts into one float format may have their range guards worked out together."""
+    new_dtype = jnp.dtype(params["new_dtype"])
+    return new_dtype if jnp.issubdtype(new_dtype, jnp.floating) else None
+
+
+def _casts_guarded_together(new_dtype: Any, operands: list[list[Value]]) -> None:
+    """The range guards of several casts into ``new_dtype`` (a step's float32 parameters cast
+    to float16) in one small kernel (:func:`~jax_scaled.scales.guard_factors_together`),
+    where the cast rule above reads them."""
+    wides = [
+        widened(x.data)
+        for (x,) in operands
+        if isinstance(x, ScaledArray)
+        and not x.scale.ndim
+        and jnp.issubdtype(x.dtype, jnp.floating)
+        and cast_guarded(x.dtype, new_dtype)
+    ]
+    guard_factors_together(wides, new_dtype)
+
+
+register_together(lax.convert_element_type_p, _cast_key, _casts_guarded_together)
 
 
 @register_scale_rule(lax.bitcast_convert_type_p)

@@ -1,6 +1,7 @@
-"""The range guards of a step's parameter casts, worked out together in one small kernel:
-the same factors, data and scales as one guard per cast, bit for bit, at real sizes and
-scales far from 1."""
+"""Equal work of independent equations done together (``jax_scaled.engine.together``): the
+range guards of a step's parameter casts and the new scales of its rescales, each group in
+one small kernel. The same factors, data and scales as one each, bit for bit, at real sizes
+and scales far from 1."""
 
 from unittest import mock
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import jax_scaled as js
+from jax_scaled.engine import together
 from jax_scaled.memo import scale_memo
 from jax_scaled.scales.guard import guard_factors, guard_factors_together
 
@@ -144,11 +146,80 @@ def train(steps: int) -> tuple:
     return params, losses
 
 
-def test_a_training_run_is_the_same_bit_for_bit_as_with_one_guard_per_cast():
+def test_a_training_run_is_the_same_bit_for_bit_as_with_work_done_alone():
     params, losses = train(20)
-    with mock.patch("jax_scaled.engine.interpreter.casts_guarded_together", lambda *a: None):
+    with mock.patch.dict(together._TOGETHER, clear=True):  # every guard on its own
         alone_params, alone_losses = train(20)
     assert losses == alone_losses and losses[-1] < losses[0]
     for name, p in params.items():
         assert np.array_equal(bits(p.data), bits(alone_params[name].data)), name
         assert bits(p.scale) == bits(alone_params[name].scale), name
+
+
+def alone() -> mock._patch:
+    """A block in which every equation does its own work (no groups)."""
+    return mock.patch.dict(together._TOGETHER, clear=True)
+
+
+def master_weights(scale: float, how: str, count: int = 5) -> tuple[dict, dict]:
+    """Float16 master weights and float32 updates of ``count`` layers, as users build them;
+    the first bias zero, as initialised."""
+    keys = jax.random.split(jax.random.key(2), 2 * count)
+    params, updates = {}, {}
+    for i in range(count):
+        shape = (192, 160) if i % 2 else (160,)
+        value = jax.random.normal(keys[2 * i], shape) * (0.0 if i == 1 else 0.05)
+        params[f"p{i}"] = built(how, value, jnp.float16, scale)
+        updates[f"p{i}"] = js.as_scaled_array(jax.random.normal(keys[2 * i + 1], shape) * 1e-3)
+    return params, updates
+
+
+@pytest.mark.parametrize("rescale", ["l1", "l2", "max"])
+@pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20])
+@pytest.mark.parametrize("how", ["as_scaled_array", "scaled_array", "quantize", "in_jit"])
+def test_master_weights_updated_together_are_those_updated_alone(rescale, scale, how):
+    params, updates = master_weights(scale, how)
+
+    def step(params, updates):
+        return js.optim.apply_updates(params, updates, rescale=rescale)
+
+    new = jax.jit(js.scalify(step))(params, updates)
+    with alone():
+        expected = jax.jit(js.scalify(step))(params, updates)
+    for name, x in new.items():
+        assert np.array_equal(bits(x.data), bits(expected[name].data)), name
+        assert bits(x.scale) == bits(expected[name].scale), name
+
+
+def zero_dimensional_remainders(count: int) -> int:
+    params, updates = master_weights(1.0, "as_scaled_array", count)
+    rems = guard_remainders(js.optim.apply_updates, params, updates)
+    return sum(not r.outvars[0].aval.shape for r in rems)
+
+
+def test_master_weight_updates_take_kernels_that_do_not_grow_with_the_parameters():
+    params, updates = master_weights(1.0, "as_scaled_array", 6)
+    shapes = [
+        r.outvars[0].aval.shape for r in guard_remainders(js.optim.apply_updates, params, updates)
+    ]
+    # the units of the float32 sums' statistics, the rescales' new scales, the casts' guards
+    assert shapes.count((6,)) == 3
+    assert zero_dimensional_remainders(3) == zero_dimensional_remainders(6)
+
+
+@pytest.mark.parametrize("norm", ["l1", "l2", "max"])
+def test_rescales_of_one_data_at_two_scales_each_keep_their_own(norm):
+    rescaled = {"l1": js.ops.dynamic_rescale_l1, "l2": js.ops.dynamic_rescale_l2,
+                "max": js.ops.dynamic_rescale_max}[norm]  # fmt: skip
+    x = js.scaled_array(jax.random.normal(jax.random.key(3), (256, 96)) * 2.0**-14, 2.0**-6)
+
+    def three(x):
+        return rescaled(x), rescaled(x * 8.0), rescaled(jnp.sin(x))  # x * 8: same data
+
+    new = jax.jit(js.scalify(three))(x)
+    with alone():
+        expected = jax.jit(js.scalify(three))(x)
+    for y, z in zip(new, expected, strict=True):
+        assert np.array_equal(bits(y.data), bits(z.data))
+        assert bits(y.scale) == bits(z.scale)
+    np.testing.assert_array_equal(new[1].to_array(), 8.0 * new[0].to_array())
