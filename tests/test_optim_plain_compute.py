@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import FLOAT_DTYPES, relative_error, scaled_arrays, value64
+from helpers import FLOAT_DTYPES, compiled_computations, relative_error, scaled_arrays, value64
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -186,3 +186,31 @@ def test_storage_rules_keep_the_value_at_any_scale(dtype, data):
         got = jax.jit(js.scalify(fn))(operand)
         np.testing.assert_array_equal(value64(got), value64(operand))
     np.testing.assert_array_equal(value64(blocks), want)
+
+
+def readers_of_the_gradient(step, *args) -> int:
+    """Instructions of ``step``'s compiled program that read the float32 output of its
+    weight gradient's contraction (shaped like the parameter)."""
+    entry = compiled_computations(step, *args)["ENTRY"]
+    shape = f"f32[{SHAPE[0]},{SHAPE[1]}]"
+    (dot,) = [line.split(" = ")[0] for line in entry if f"= {shape}" in line and " dot(" in line]
+    return sum(f"{dot}," in line or f"{dot})" in line for line in entry)
+
+
+def test_a_plain_gradient_is_computed_once_for_the_update_s_readers():
+    """The plain float32 gradient the inner update reads (float16 data times its scale) is
+    stored once: XLA computed it again, with the range-guarded gradient's own arithmetic, in
+    every kernel of the update that read it (the global norm, the two moments)."""
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    opt = optim.scaled_state(inner, jnp.float16)
+    x = js.as_scaled_array(jax.random.normal(jax.random.key(2), (32, SHAPE[0]), jnp.float16))
+    dy = js.as_scaled_array(jax.random.normal(jax.random.key(3), (32, SHAPE[1]), jnp.float16))
+    params = params_of(1)
+
+    def step(params, state, x, dy):
+        grads = {"w0": x.T @ dy}  # a float16 contraction, range-guarded
+        return opt.update(grads, state, params)
+
+    scaled = js.as_scaled_array(params)
+    readers = readers_of_the_gradient(js.scalify(step), scaled, opt.init(params), x, dy)
+    assert readers == 2  # the range guard's reduction, and the kernel storing the gradient

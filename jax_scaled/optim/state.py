@@ -27,6 +27,7 @@ from jax_scaled.optim._storage import (
     unit_scaled,
     wider_dtype,
 )
+from jax_scaled.pow2.xla import stored_once
 from jax_scaled.tree import tree_leaves, tree_map
 
 
@@ -134,6 +135,9 @@ def scaled_state(
     def traced_update(grads, state, params, extra_args):
         if computes_plain(compute_dtype):
             grads, state, params = (plain_tree(t, compute_dtype) for t in (grads, state, params))
+            # Read by every stage of the update (the global norm, each moment): stored once,
+            # not recomputed by each reader with the guarded gradient's own arithmetic.
+            grads = tree_map(lambda g: stored_once(g) if is_float(g) else g, grads)
             updates, new_state = inner.update(grads, state, params, **extra_args)
             # At scale 1, not at the static estimates scalify keeps of plain values.
             updates = tree_map(lambda u: unit_scaled(u, u.dtype) if is_float(u) else u, updates)
