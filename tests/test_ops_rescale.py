@@ -140,6 +140,19 @@ def test_rescale_clamps_scale_to_its_range():
     assert_same_value(y, x)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("norm", list(RESCALE))
+def test_rescale_of_data_near_the_format_s_largest_value_keeps_it(dtype, norm):
+    """Data whose statistic is 2^127 or more (float32 or bfloat16 near their largest value)
+    moves at most 2^126 into the scale: its factor, the old scale over the new, stays a normal
+    float32. At 2^-127 XLA:CPU read it as zero, and the rescaled data was all zeros."""
+    data = jnp.asarray(np.full((4, 64), 1.5 * 2.0**127, np.float32)).astype(dtype)
+    x = js.ScaledArray(data, jnp.float32(2.0**-126))
+    y = jax.jit(js.scalify(RESCALE[norm]))(x)
+    assert float(y.scale) == 1.0
+    assert_same_value(y, x)
+
+
 def test_rescale_keeps_e8m0_scales_bit_identical():
     x = js.ScaledArray(jnp.asarray(random_data(0, (4, 6), jnp.float16) * 2.0**9), jnp.float32(0.25))
     for rescale in RESCALE.values():

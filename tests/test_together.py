@@ -223,3 +223,27 @@ def test_rescales_of_one_data_at_two_scales_each_keep_their_own(norm):
         assert np.array_equal(bits(y.data), bits(z.data))
         assert bits(y.scale) == bits(z.scale)
     np.testing.assert_array_equal(new[1].to_array(), 8.0 * new[0].to_array())
+
+
+def test_float32_data_near_its_largest_value_rescaled_together_keeps_its_value():
+    """Float32 data with a largest magnitude in [2^127, 2^128), at a scale of 2^-126: the
+    rescale moves at most 2^126 into the scale, so that the data's factor stays a normal
+    float32 (2^-127 was read as zero: the data became zeros). Worked out together with
+    another tensor, it is the same as alone."""
+    keys = jax.random.split(jax.random.key(4), 2)
+    huge = js.scaled_array(jax.random.normal(keys[0], (64, 96)) * 2.0**126, 2.0**-126)
+    small = js.scaled_array(jax.random.normal(keys[1], (96,)), 2.0**-126)
+    assert float(jnp.max(jnp.abs(huge.data))) >= 2.0**127
+
+    def both(a, b):
+        return js.ops.dynamic_rescale_max(a), js.ops.dynamic_rescale_max(b)
+
+    new = jax.jit(js.scalify(both))(huge, small)
+    with alone():
+        expected = jax.jit(js.scalify(both))(huge, small)
+    for y, z in zip(new, expected, strict=True):
+        assert np.array_equal(bits(y.data), bits(z.data))
+        assert bits(y.scale) == bits(z.scale)
+    assert float(new[0].scale) == 1.0  # 2^-126 times 2^126
+    np.testing.assert_array_equal(new[0].to_array(), huge.to_array())
+    np.testing.assert_array_equal(new[1].to_array(), small.to_array())

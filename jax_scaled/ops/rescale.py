@@ -14,7 +14,9 @@ default down) and moved from the data into the scale: the value is unchanged (ex
 factor being a power of two, unless data leaves its format's normal range), the new scale is
 a power of two, and the statistic of the new data lands in ``[1, 2)`` (rounding down),
 ``(1/2, 1]`` (up) or ``[1/√2, √2)`` (nearest). All-zero or non-finite data is left as is; a
-scale that would leave ``[2^-126, 2^127]`` is clamped to it (the data keeps the remainder).
+scale that would leave ``[2^-126, 2^127]`` is clamped to it (the data keeps the remainder),
+and so is a statistic above 2^126 (float32 data near its largest value), whose data then lands
+above ``[1, 2)``.
 
 Each operation is one primitive, ``dynamic_rescale[norm=...]``, whose implementation is the
 identity: outside scalify (and on plain arrays inside it, which stay plain) it lowers to no
@@ -30,6 +32,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
@@ -39,7 +43,12 @@ from jax_scaled.engine.registry import register_scale_rule
 from jax_scaled.engine.together import register_together
 from jax_scaled.memo import memoized, recorded
 from jax_scaled.pow2.traced import pow2_round, pow2_round_positive
-from jax_scaled.pow2.xla import computed_once, computed_once_per_block
+from jax_scaled.pow2.xla import (
+    computed_once,
+    computed_once_per_block,
+    computed_together,
+    computed_together_as_bits,
+)
 from jax_scaled.scales import make_scale, rescale, scale_f32
 from jax_scaled.scales.guard import record_largest_magnitude
 
@@ -182,7 +191,15 @@ def dynamic_rescale_rule(x: ScaledArray, *, norm: str) -> ScaledArray:
     if shared is not None and shared[0] is x.scale:  # worked out with others' (below)
         return _moved(x, *shared[1:])
     statistic, largest = _data_statistic(x.data, norm)
-    return _rebalanced(x, pow2_round(statistic, current_config().rounding), largest)
+    return _rebalanced(x, _factor(statistic), largest)
+
+
+def _factor(statistic: jax.Array) -> jax.Array:
+    """The power of two moved from the data into the scale: ``statistic`` rounded, at most
+    2^126, so that the data's factor (old scale over new) stays a normal float32. At 2^127
+    (float32 data of a largest magnitude in ``[2^127, 2^128)``) it was 2^-127, which XLA:CPU
+    reads as zero: the rescaled data was all zeros."""
+    return lax.min(pow2_round(statistic, current_config().rounding), np.float32(2.0**126))
 
 
 def _rescaled_kind(norm: str) -> str:
@@ -192,8 +209,10 @@ def _rescaled_kind(norm: str) -> str:
 def _rescales_together(norm: str, operands: list[list[Any]]) -> None:
     """The new scales of several rescales (every new float16 master weight of a step) worked
     out on a vector, in one kernel and one division instead of one of each per tensor: the
-    same arithmetic as :func:`_rebalanced`'s, elementwise, left in the per-call memo for
-    :func:`dynamic_rescale_rule`."""
+    same arithmetic as :func:`_rebalanced`'s, elementwise. Each tensor's part leaves the
+    vector through :func:`~jax_scaled.pow2.xla.computed_together` (16 to a kernel) and waits
+    in the per-call memo for :func:`dynamic_rescale_rule`: read as slices of the vector by
+    every kernel that needs them, they made the 4-layer GPT's step compile 20% slower."""
     xs = {id(x.data): x for (x,) in operands if _per_tensor_scaled(x)}
     xs = [x for x in xs.values() if isinstance(x.data, jxi.Tracer)]
     if len(xs) < 2:
@@ -201,10 +220,13 @@ def _rescales_together(norm: str, operands: list[list[Any]]) -> None:
     magnitudes, largest = zip(*(_magnitudes(x.data, norm) for x in xs), strict=True)
     units = _units_together([x.dtype for x in xs], largest, norm)
     statistics = map(_statistic, magnitudes, largest, [norm] * len(xs), units)
-    factors = pow2_round(jnp.stack(list(statistics)), current_config().rounding)
+    factors = _factor(jnp.stack(list(statistics)))
     scales = jnp.stack([scale_f32(x) for x in xs])
     new_scales = computed_once_per_block(pow2_round_positive(scales * factors))
-    ratios = scales / new_scales
+    ratios = scales / new_scales  # subnormal where data near 2^127 moves into a tiny scale
+    count = len(xs)
+    new_scales = computed_together([new_scales[i] for i in range(count)])
+    ratios = computed_together_as_bits([ratios[i] for i in range(count)])
     for i, x in enumerate(xs):
         shared = (x.scale, new_scales[i], ratios[i], largest[i])
         memoized(_rescaled_kind(norm), x.data, lambda shared=shared: shared)
@@ -219,6 +241,7 @@ def _units_together(
     units: list[jax.Array | None] = [None] * len(dtypes)
     if with_unit:
         together = computed_once_per_block(pow2_round(jnp.stack([largest[i] for i in with_unit])))
+        together = computed_together([together[k] for k in range(len(with_unit))])
         for k, i in enumerate(with_unit):
             units[i] = together[k]
     return units
