@@ -43,12 +43,7 @@ from jax_scaled.engine.registry import register_scale_rule
 from jax_scaled.engine.together import register_together
 from jax_scaled.memo import memoized, recorded
 from jax_scaled.pow2.traced import pow2_round, pow2_round_positive
-from jax_scaled.pow2.xla import (
-    computed_once,
-    computed_once_per_block,
-    computed_together,
-    computed_together_as_bits,
-)
+from jax_scaled.pow2.xla import computed_apart, computed_once, computed_once_per_block
 from jax_scaled.scales import make_scale, rescale, scale_f32
 from jax_scaled.scales.guard import record_largest_magnitude
 
@@ -210,9 +205,9 @@ def _rescales_together(norm: str, operands: list[list[Any]]) -> None:
     """The new scales of several rescales (every new float16 master weight of a step) worked
     out on a vector, in one kernel and one division instead of one of each per tensor: the
     same arithmetic as :func:`_rebalanced`'s, elementwise. Each tensor's part leaves the
-    vector through :func:`~jax_scaled.pow2.xla.computed_together` (16 to a kernel) and waits
-    in the per-call memo for :func:`dynamic_rescale_rule`: read as slices of the vector by
-    every kernel that needs them, they made the 4-layer GPT's step compile 20% slower."""
+    vector apart (:func:`~jax_scaled.pow2.xla.computed_apart`; its ratio as bits, as it is
+    below float32's normal range for data near 2^127 moved into a tiny scale) and waits in
+    the per-call memo for :func:`dynamic_rescale_rule`."""
     xs = {id(x.data): x for (x,) in operands if _per_tensor_scaled(x)}
     xs = [x for x in xs.values() if isinstance(x.data, jxi.Tracer)]
     if len(xs) < 2:
@@ -223,12 +218,12 @@ def _rescales_together(norm: str, operands: list[list[Any]]) -> None:
     factors = _factor(jnp.stack(list(statistics)))
     scales = jnp.stack([scale_f32(x) for x in xs])
     new_scales = computed_once_per_block(pow2_round_positive(scales * factors))
-    ratios = scales / new_scales  # subnormal where data near 2^127 moves into a tiny scale
-    count = len(xs)
-    new_scales = computed_together([new_scales[i] for i in range(count)])
-    ratios = computed_together_as_bits([ratios[i] for i in range(count)])
-    for i, x in enumerate(xs):
-        shared = (x.scale, new_scales[i], ratios[i], largest[i])
+    ratios = scales / new_scales
+    parts = zip(
+        xs, computed_apart(new_scales), computed_apart(ratios, as_bits=True), largest, strict=True
+    )
+    for x, *part in parts:
+        shared = (x.scale, *part)
         memoized(_rescaled_kind(norm), x.data, lambda shared=shared: shared)
 
 
@@ -241,9 +236,8 @@ def _units_together(
     units: list[jax.Array | None] = [None] * len(dtypes)
     if with_unit:
         together = computed_once_per_block(pow2_round(jnp.stack([largest[i] for i in with_unit])))
-        together = computed_together([together[k] for k in range(len(with_unit))])
-        for k, i in enumerate(with_unit):
-            units[i] = together[k]
+        for i, unit in zip(with_unit, computed_apart(together), strict=True):
+            units[i] = unit
     return units
 
 

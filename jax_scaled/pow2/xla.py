@@ -202,6 +202,22 @@ def computed_together_as_bits(values: Sequence[jax.Array]) -> list[jax.Array]:
     ]
 
 
+def computed_apart(vector: jax.Array, *, as_bits: bool = False) -> list[jax.Array]:
+    """The elements of the 1-d ``vector`` as 0-d values computed together
+    (:func:`computed_together`; :func:`computed_together_as_bits` for values that may be
+    subnormal), so that each reader takes its own value rather than a slice of the vector:
+    read as slices by every reader, the guard factors of a step's parameter casts made the
+    4-layer GPT's float16 step compile a third slower.
+
+    Example:
+        >>> vector = jnp.array([0.5, 2.0**-140], jnp.float32)
+        >>> [float(x) for x in computed_apart(vector, as_bits=True)]
+        [0.5, 7.174648137343064e-43]
+    """
+    together = computed_together_as_bits if as_bits else computed_together
+    return together([vector[i] for i in range(vector.shape[0])])
+
+
 def _unsigned(dtype: Any) -> Any:
     return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
 

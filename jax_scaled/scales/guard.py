@@ -34,9 +34,9 @@ from jax_scaled.pow2.static import (
     static_pow2_exponent,
 )
 from jax_scaled.pow2.xla import (
+    computed_apart,
     computed_once,
     computed_once_per_block,
-    computed_together,
     float_division,
     largest_magnitude,
 )
@@ -354,9 +354,7 @@ def guard_factors_together(wides: Sequence[jax.Array], dtype) -> None:
     in one small kernel rather than one per array; :func:`guard_factors` then reads them.
     For guards whose data are all known at the same point (the casts of a step's
     parameters). Nothing where no guard applies or outside a scalified call. Each array's
-    factors leave the vector through :func:`~jax_scaled.pow2.xla.computed_together`: read as
-    slices of it by their readers, they made the 4-layer GPT's float16 step compile a third
-    slower.
+    factors leave the vector apart (:func:`~jax_scaled.pow2.xla.computed_apart`).
 
     Example:
         >>> from jax_scaled.memo import scale_memo
@@ -375,10 +373,8 @@ def guard_factors_together(wides: Sequence[jax.Array], dtype) -> None:
     up = computed_once_per_block(_up_factor(largest, band, 0))
     down = float_division(np.ones(up.shape, np.float32), up)
     kind = _factors_kind(band, 0)
-    ups = computed_together([up[i] for i in range(len(wides))])
-    downs = computed_together([down[i] for i in range(len(wides))])
-    for i, wide in enumerate(wides):
-        memoized(kind, wide, lambda i=i: (downs[i], ups[i]))
+    for wide, factors in zip(wides, zip(computed_apart(down), computed_apart(up)), strict=True):
+        memoized(kind, wide, lambda factors=factors: factors)
 
 
 def guarded(
