@@ -18,7 +18,7 @@ from jax.typing import DTypeLike
 from jax_scaled import _jax_internals as jxi
 from jax_scaled import context
 from jax_scaled.dtypes import BLOCK_SCALE_DTYPES, compute_dtype, is_floating
-from jax_scaled.pow2.static import MIN_SCALE_EXPONENT
+from jax_scaled.pow2.static import MIN_SCALE_EXPONENT, is_static_one
 
 
 def is_array_like(x: Any) -> bool:
@@ -168,6 +168,8 @@ class ScaledArray:
         """
         dtype = jnp.dtype(dtype or self.dtype)
         compute = jnp.promote_types(compute_dtype(self.dtype), compute_dtype(dtype))
+        if is_static_one(self.scale):  # no equation to trace for a product by 1
+            return self.data.astype(compute).astype(dtype)
         scale = self.scale.astype(compute)
         if scale.ndim:  # block scales
             scale = expand_scale(scale, self.shape)

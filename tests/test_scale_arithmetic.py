@@ -22,7 +22,9 @@ from jax_scaled.memo import memo_size, memoized, scale_memo
 from jax_scaled.pow2.static import static_pow2_split
 from jax_scaled.pow2.traced import floor_divide_exponent, pow2_from_exponent, pow2_ratio
 from jax_scaled.scales.values import (
+    as_scaled,
     from_compute,
+    make_scale,
     round_scale,
     scale_mul,
     scale_reciprocal,
@@ -301,6 +303,41 @@ def test_scale_helpers_keep_static_scales_static_and_stage_lax_only():
     assert [e.primitive.name for e in closed.jaxpr.eqns] == ["mul", "convert_element_type", "mul"]
     out = f(jnp.ones((2, 3), jnp.float16), jnp.float32(0.5))
     assert out.dtype == jnp.float16 and float(out[0, 0]) == 2.0
+
+
+def test_a_static_one_costs_no_equation():
+    def f(data, scale):
+        return times_scalar(data, scale_mul(np.float32(1.0), scale_mul(scale, np.float32(1.0))))
+
+    closed = jax.make_jaxpr(f)(jnp.ones((2, 3), jnp.float16), jnp.float32(0.5))
+    assert [e.primitive.name for e in closed.jaxpr.eqns] == ["convert_element_type", "mul"]
+    assert jax.make_jaxpr(lambda x: times_scalar(x, np.float32(1.0)))(jnp.ones(3)).eqns == []
+    assert str(scale_mul(jnp.float32(0.5), np.float32(1.0)).dtype) == "float32"
+    data = jnp.array([1.5, -0.0, jnp.inf, 2.0**-24], jnp.float16)
+
+    def unit(d):  # as a rule sees a plain operand: scale 1, known at trace time
+        with engine_builds():
+            return as_scaled(d)
+
+    x = unit(data)
+    closed = jax.make_jaxpr(lambda d: unit(d).to_array(jnp.float32))(data)
+    assert [e.primitive.name for e in closed.jaxpr.eqns] == ["convert_element_type"]
+    np.testing.assert_array_equal(
+        x.to_array(jnp.float32).view(np.uint32), np.asarray(x.data, np.float32).view(np.uint32)
+    )
+
+
+def test_an_output_scale_goes_behind_one_barrier():
+    def f(x):
+        with scale_memo():
+            once = make_scale(x * 2, np.float32(1.0))
+            again = make_scale(once, np.float32(1.0))
+            return once, again, make_scale(once * 2, np.float32(1.0))
+
+    closed = jax.make_jaxpr(f)(jnp.float32(1.0))
+    names = [e.primitive.name for e in closed.jaxpr.eqns]
+    assert names.count("optimization_barrier") == 2
+    assert [float(v) for v in jax.jit(f)(jnp.float32(1.0))] == [2.0, 2.0, 4.0]
 
 
 FOLDED = ["neg", "add", "sub", "mul", "div", "max", "min", "abs", "sign", "square"]

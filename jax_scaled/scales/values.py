@@ -36,6 +36,7 @@ from jax_scaled.pow2.static import (
     MIN_SCALE_EXPONENT,
     Rounding,
     is_static,
+    is_static_one,
     static_pow2_round,
 )
 from jax_scaled.pow2.traced import (
@@ -105,7 +106,20 @@ def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
         if dtype == jnp.float8_e8m0fnu:
             scale = max(float(scale), 2.0**-127)  # E8M0 has no zero (see below)
         return np.asarray(scale, np.float32).astype(dtype)
-    return _cast_scale(scale_barrier(as_float32(scale)), dtype)
+    return _cast_scale(_behind_barrier(as_float32(scale)), dtype)
+
+
+_BEHIND_BARRIER = "scale_barrier"
+
+
+def _behind_barrier(scale: jax.Array) -> jax.Array:
+    """``scale`` behind one optimization barrier: one per traced scale, and none more for a
+    scale that is already a barrier's output (each barrier is an equation to trace, lower and
+    compile, and a second one changes nothing)."""
+    behind = memoized(_BEHIND_BARRIER, scale, lambda: scale_barrier(scale))
+    if behind is not scale:
+        memoized(_BEHIND_BARRIER, behind, lambda: behind)
+    return behind
 
 
 def _cast_scale(scale: jax.Array, dtype) -> jax.Array:
@@ -143,6 +157,8 @@ def scale_mul(a: jax.Array, b: jax.Array) -> jax.Array:
     """
     if is_static(a) and is_static(b):
         return np.float32(np.float32(a) * np.float32(b))
+    if is_static_one(a) or is_static_one(b):  # exact: no equation
+        return as_float32(b if is_static_one(a) else a)
     return lax.mul(as_float32(a), as_float32(b))
 
 
@@ -154,6 +170,8 @@ def times_scalar(data: jax.Array, factor: Any) -> jax.Array:
         [0.5, 1.0]
     """
     if is_static(factor):
+        if is_static_one(factor):
+            return data
         return lax.mul(data, np.asarray(factor, data.dtype))
     return lax.mul(data, lax.convert_element_type(factor, data.dtype))
 
