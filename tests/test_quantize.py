@@ -18,8 +18,9 @@ from hypothesis.extra import numpy as hnp
 
 import jax_scaled as js
 from jax_scaled.array import expand_scale
+from jax_scaled.block_quantization import _divide
 from jax_scaled.formats import storage_dtype
-from jax_scaled.quantize import _divide, tracing_for_scalify
+from jax_scaled.quantize import tracing_for_scalify
 from jax_scaled.scales import centre_exponent
 
 ELEMENTS = [f.element_dtype for f in js.formats.MX_FORMATS]
