@@ -55,7 +55,7 @@ lint: $(VENV)/.installed-test
 	$(PY) -m ruff check $(LINT_PATHS)
 
 test: lint $(VENV)/.installed-test
-	$(PY) -m pytest -n $(PYTEST_WORKERS) tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal tests
 	$(MAKE) --no-print-directory doctest
 
 # Docstring examples; their names (jax, jnp, np, js, the public API) come from ./conftest.py.
