@@ -71,11 +71,7 @@ def block_scales(
     """
     if block_shape is None:
         block_shape = fmt.block_shape(jnp.ndim(value)) if jnp.ndim(value) else None
-    return _scales_of(_block_amax(value, None if block_shape is None else tuple(block_shape)), fmt)
-
-
-def _scales_of(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
-    """The block scales of blocks whose largest finite magnitudes are ``amax``."""
+    amax = _block_amax(value, None if block_shape is None else tuple(block_shape))
     top = _top(fmt.element_dtype)
     emax = int(np.frexp(top)[1]) - 1
     # floor(log2(amax)) - emax on the exponent field of amax (finite, not negative): a zero
