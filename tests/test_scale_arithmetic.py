@@ -21,6 +21,8 @@ from jax_scaled.engine import facts, promotion
 from jax_scaled.memo import memo_size, memoized, scale_memo
 from jax_scaled.pow2.static import static_pow2_split
 from jax_scaled.pow2.traced import floor_divide_exponent, pow2_from_exponent, pow2_ratio
+from jax_scaled.pow2.xla import reciprocal_power
+from jax_scaled.scales.guard import guarded
 from jax_scaled.scales.values import (
     as_scaled,
     from_compute,
@@ -338,6 +340,58 @@ def test_an_output_scale_goes_behind_one_barrier():
     names = [e.primitive.name for e in closed.jaxpr.eqns]
     assert names.count("optimization_barrier") == 2
     assert [float(v) for v in jax.jit(f)(jnp.float32(1.0))] == [2.0, 2.0, 4.0]
+
+
+def _every_float32_exponent() -> np.ndarray:
+    """Data of every float32 exponent, subnormals to overflow, zeros, infinities and NaN,
+    both signs."""
+    mantissas = np.random.default_rng(0).uniform(1.0, 2.0, 128 + 150)
+    with np.errstate(over="ignore"):
+        magnitudes = np.ldexp(mantissas, np.arange(-150, 128)).astype(np.float32)
+    x = np.concatenate([magnitudes, np.float32([0.0, np.inf, np.nan])])
+    return np.concatenate([x, -x])
+
+
+def _same_bits(a: jax.Array, b: jax.Array) -> None:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    numbers = ~np.isnan(a)
+    np.testing.assert_array_equal(a[numbers].view(np.uint32), b[numbers].view(np.uint32))
+
+
+def _subnormal(x: np.ndarray) -> np.ndarray:
+    return (x != 0) & (np.abs(x) < np.finfo(np.float32).tiny)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@given(exponent=st.integers(min_value=-126, max_value=126))
+def test_a_guard_factor_divides_its_data_bit_for_bit(dtype, exponent):
+    def both(data, up):
+        with scale_memo():
+            down = reciprocal_power(up)
+            return times_scalar(data, down), lax.mul(data, down.astype(data.dtype))
+
+    data = jnp.asarray(_every_float32_exponent(), dtype)
+    divided, multiplied = jax.jit(both)(data, jnp.float32(2.0**exponent))
+    _same_bits(divided, multiplied)
+    # Exact in float64, rounded once; where XLA:CPU flushes subnormals, both ways flush them.
+    with np.errstate(over="ignore"):
+        reference = np.asarray(data, np.float64) * 2.0**-exponent
+        expected = np.asarray(jnp.asarray(reference.astype(np.float32), dtype), np.float32)
+    kept = ~_subnormal(np.asarray(data, np.float32)) & ~_subnormal(expected)
+    _same_bits(np.asarray(divided, np.float32)[kept], expected[kept])
+
+
+def test_a_guarded_cast_divides_its_data_by_the_guard_factor():
+    def cast(wide):
+        with scale_memo():
+            return guarded(wide, np.float32(1.0), jnp.float16).data
+
+    jaxpr = jax.make_jaxpr(cast)(jnp.ones((64, 32))).jaxpr
+    readers = [e.primitive.name for e in jaxpr.eqns if jaxpr.invars[0] in e.invars]
+    assert "div" in readers and "mul" not in readers
+    x = jnp.array([2.0**17, 2.0**-140, -3.0])  # moved down by 2^14
+    np.testing.assert_array_equal(jax.jit(cast)(x), np.float16([8.0, 0.0, -3.0 * 2.0**-14]))
 
 
 FOLDED = ["neg", "add", "sub", "mul", "div", "max", "min", "abs", "sign", "square"]

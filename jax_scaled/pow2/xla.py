@@ -15,6 +15,14 @@ these helpers where the choice matters.
   scalar chain into every kernel that reads it; a division is not copied, so it cuts the
   chains of a deep unrolled network. Without it, the 3-layer unrolled transformer compiled
   to 189k HLO instructions instead of 22k.
+* **Data divided by a power of two rather than multiplied by its reciprocal**
+  (:func:`reciprocal_power`, :func:`as_division`): the range guard moves its data by a
+  factor ``1 / up``, and that scalar division was a kernel of its own for every guarded
+  output. Dividing the data by ``up`` in the kernel that writes it gives the same numbers
+  (both are the correctly rounded value of one exact quotient) and needs no kernel for the
+  factor. (Where a static divisor ``2^d`` is folded into the factor, ``2^-d / up``, XLA
+  turns the data's division by ``up * 2^d`` back into a product by a reciprocal worked out
+  in a kernel of its own: no gain, so those keep the product.)
 * **A traced one** (:func:`traced_one`) where a rule's scale is 1 but its input's scale is
   traced (``exp``, ``logistic``): a static 1 would let the scale arithmetic chain uncut
   through softmax, and the unrolled transformer of ``benchmarks/trace_speed.py`` then
@@ -71,6 +79,7 @@ import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
+from jax_scaled.memo import memoized, recorded
 from jax_scaled.pow2.static import is_static
 from jax_scaled.pow2.traced import as_float32
 
@@ -87,6 +96,56 @@ def float_division(numerator: Any, denominator: Any) -> Any:
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.float32(np.float32(numerator) / np.float32(denominator))
     return lax.div(as_float32(numerator), as_float32(denominator))
+
+
+_RECIPROCAL = "reciprocal_power"
+
+
+def reciprocal_power(scale: Any, exponent: int = 0) -> Any:
+    """``2^-exponent / scale`` for a float32 power of two ``scale`` whose quotient is a normal
+    float (exact). For ``exponent == 0`` the quotient is remembered as ``scale``'s reciprocal
+    for this scalified call, so that :func:`as_division` applies it to data as a division
+    by ``scale`` (see the module notes).
+
+    Example:
+        >>> float(reciprocal_power(np.float32(8.0), exponent=2))
+        0.03125
+    """
+    factor = float_division(np.float32(2.0**-exponent), scale)
+    if isinstance(factor, jxi.Tracer) and exponent == 0:
+        record_reciprocal(factor, scale)
+    return factor
+
+
+def record_reciprocal(factor: jax.Array, scale: jax.Array) -> None:
+    """Remember that the traced ``factor`` is ``1 / scale``, exactly, for a power of two
+    ``scale`` with a normal reciprocal (:func:`reciprocal_power`); for a factor worked out
+    some other way (one of several computed together)."""
+    memoized(_RECIPROCAL, factor, lambda: scale)
+
+
+def as_division(data: jax.Array, factor: Any) -> jax.Array | None:
+    """``data * factor`` as ``data / scale`` where ``factor`` is ``1 / scale``
+    (:func:`reciprocal_power`): the same numbers with no kernel for ``factor`` (see the
+    module notes). None otherwise, and for data of a format narrower than float32's range,
+    into which ``scale`` might not convert exactly.
+
+    Example:
+        >>> from jax_scaled.memo import scale_memo
+        >>> def moved(x, scale):
+        ...     with scale_memo():
+        ...         return as_division(x, reciprocal_power(scale))
+        >>> jax.jit(moved)(jnp.array([3.0, -2.0**-120]), jnp.float32(8.0)).tolist()
+        [0.375, -9.4039548065783e-38]
+    """
+    scale = recorded(_RECIPROCAL, factor) if isinstance(factor, jxi.Tracer) else None
+    if scale is None or not _holds_float32_range(data.dtype):
+        return None
+    return lax.div(data, lax.convert_element_type(scale, data.dtype))
+
+
+def _holds_float32_range(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).maxexp >= 128
 
 
 def traced_one(scale: jax.Array) -> jax.Array:

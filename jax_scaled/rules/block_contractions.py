@@ -53,6 +53,7 @@ from jax_scaled.scales import (
     per_tensor_scale,
     scale_f32,
     sqrt_pow2,
+    times_scalar,
 )
 
 
@@ -189,7 +190,7 @@ def _output(
     factors = guard_factors(value, dtype)
     if factors is not None:
         down, up = factors
-        value, scale = lax.mul(value, down), lax.mul(scale, up)
+        value, scale = times_scalar(value, down), lax.mul(scale, up)
     data = lax.convert_element_type(value, dtype)
     if all(n == 1 for n in scale.shape):  # one block: the per-tensor path from here on
         return ScaledArray(data, per_tensor_scale(lax.reshape(scale, ())))

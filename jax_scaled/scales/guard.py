@@ -39,6 +39,8 @@ from jax_scaled.pow2.xla import (
     computed_once_per_block,
     float_division,
     largest_magnitude,
+    reciprocal_power,
+    record_reciprocal,
 )
 from jax_scaled.scales.values import Value, make_scale, scale_f32, scale_mul, times_scalar
 
@@ -290,9 +292,10 @@ def guard_factors(
     is moved to the band's target; otherwise, and for data that is all zero or holds an
     infinity, ``up`` is 1 (the static scale is kept). Worked out on the bits of the largest
     magnitude, without branches: ``up`` in a small kernel of its own
-    (:func:`~jax_scaled.pow2.xla.computed_once`), ``down`` divided out of it
-    (:func:`~jax_scaled.pow2.xla.float_division`), two operations XLA does not copy into
-    their readers. Copied, the chain was compiled again in the kernel that writes the
+    (:func:`~jax_scaled.pow2.xla.computed_once`), and ``down`` divided out of it
+    (:func:`~jax_scaled.pow2.xla.reciprocal_power`), which :func:`times_scalar` applies as
+    a division of the data by ``up`` where ``divisor_exponent`` is 0, and XLA does not copy
+    into its readers otherwise. Copied, the chain was compiled again in the kernel that writes the
     guarded data and in every kernel that reads its scale (the 4-layer GPT's float16 step:
     50.8k instructions instead of 42.1k); carried by a variadic reduction, both factors
     cost a reduction and its region per guard (4% of the 1-layer GPT's float16 step). The
@@ -314,8 +317,7 @@ def guard_factors(
     largest = memoized(_LARGEST, wide, lambda: largest_magnitude(wide))
     up = computed_once(_up_factor(largest, band, divisor_exponent))
     # Exact: both factors are normal powers of two.
-    down = float_division(np.float32(2.0**-divisor_exponent), up)
-    return down, up
+    return reciprocal_power(up, divisor_exponent), up
 
 
 def _factors_kind(band: tuple[int, int, int], divisor_exponent: int) -> str:
@@ -375,6 +377,7 @@ def guard_factors_together(wides: Sequence[jax.Array], dtype) -> None:
     kind = _factors_kind(band, 0)
     for wide, factors in zip(wides, zip(computed_apart(down), computed_apart(up)), strict=True):
         memoized(kind, wide, lambda factors=factors: factors)
+        record_reciprocal(*factors)
 
 
 def guarded(

@@ -45,7 +45,7 @@ from jax_scaled.pow2.traced import (
     pow2_round_positive,
     pow2_round_sqrt,
 )
-from jax_scaled.pow2.xla import scale_barrier
+from jax_scaled.pow2.xla import as_division, scale_barrier
 
 __all__ = ["Value", "compute_dtype"]  # and every public function below
 
@@ -163,7 +163,8 @@ def scale_mul(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def times_scalar(data: jax.Array, factor: Any) -> jax.Array:
-    """``data * factor`` in ``data``'s dtype, for a 0-d ``factor`` (static or traced).
+    """``data * factor`` in ``data``'s dtype, for a 0-d ``factor`` (static or traced); as a
+    division where ``factor`` is an exact reciprocal (:func:`~jax_scaled.pow2.xla.as_division`).
 
     Example:
         >>> times_scalar(jnp.array([1.0, 2.0]), np.float32(0.5)).tolist()
@@ -173,6 +174,9 @@ def times_scalar(data: jax.Array, factor: Any) -> jax.Array:
         if is_static_one(factor):
             return data
         return lax.mul(data, np.asarray(factor, data.dtype))
+    divided = as_division(data, factor)
+    if divided is not None:
+        return divided
     return lax.mul(data, lax.convert_element_type(factor, data.dtype))
 
 
