@@ -22,7 +22,7 @@ from jax_scaled.memo import memo_size, memoized, scale_memo
 from jax_scaled.pow2.static import static_pow2_split
 from jax_scaled.pow2.traced import floor_divide_exponent, pow2_from_exponent, pow2_ratio
 from jax_scaled.pow2.xla import reciprocal_power
-from jax_scaled.scales.guard import guarded
+from jax_scaled.scales.guard import guard_factors, guarded
 from jax_scaled.scales.values import (
     as_scaled,
     from_compute,
@@ -382,16 +382,32 @@ def test_a_guard_factor_divides_its_data_bit_for_bit(dtype, exponent):
     _same_bits(np.asarray(divided, np.float32)[kept], expected[kept])
 
 
-def test_a_guarded_cast_divides_its_data_by_the_guard_factor():
+@pytest.mark.parametrize("divisor", [1.0, 16.0])
+def test_a_guarded_cast_divides_its_data_by_the_guard_factor(divisor):
     def cast(wide):
         with scale_memo():
-            return guarded(wide, np.float32(1.0), jnp.float16).data
+            return guarded(wide, np.float32(1.0), jnp.float16, divisor=divisor).data
 
     jaxpr = jax.make_jaxpr(cast)(jnp.ones((64, 32))).jaxpr
     readers = [e.primitive.name for e in jaxpr.eqns if jaxpr.invars[0] in e.invars]
     assert "div" in readers and "mul" not in readers
-    x = jnp.array([2.0**17, 2.0**-140, -3.0])  # moved down by 2^14
+    x = jnp.array([2.0**17, 2.0**-140, -3.0]) * divisor  # moved down by 2^14 * divisor
     np.testing.assert_array_equal(jax.jit(cast)(x), np.float16([8.0, 0.0, -3.0 * 2.0**-14]))
+
+
+@given(exponent=st.integers(min_value=1, max_value=12), top=st.integers(-100, 127))
+def test_a_guard_with_a_static_divisor_rounds_its_data_once(exponent, top):
+    wide = jnp.asarray(np.ldexp(np.float32([1.0, -1.75, 1.3, 0.0]), [top, top - 3, top - 20, 0]))
+
+    def cast(wide):
+        with scale_memo():
+            x = guarded(wide, np.float32(1.0), jnp.float16, divisor=2.0**exponent)
+            return x.data, *guard_factors(wide, jnp.float16, exponent)
+
+    data, down, up = jax.jit(cast)(wide)
+    assert float(down) * float(up) == 2.0**-exponent
+    expected = (np.asarray(wide, np.float64) * float(down)).astype(np.float16)  # one rounding
+    np.testing.assert_array_equal(np.asarray(data).view(np.uint16), expected.view(np.uint16))
 
 
 FOLDED = ["neg", "add", "sub", "mul", "div", "max", "min", "abs", "sign", "square"]

@@ -20,9 +20,10 @@ these helpers where the choice matters.
   factor ``1 / up``, and that scalar division was a kernel of its own for every guarded
   output. Dividing the data by ``up`` in the kernel that writes it gives the same numbers
   (both are the correctly rounded value of one exact quotient) and needs no kernel for the
-  factor. (Where a static divisor ``2^d`` is folded into the factor, ``2^-d / up``, XLA
-  turns the data's division by ``up * 2^d`` back into a product by a reciprocal worked out
-  in a kernel of its own: no gain, so those keep the product.)
+  factor. Where a static divisor ``2^d`` is folded into the factor (``2^-d / up``, a
+  contraction's output), the guard's small kernel works out ``up * 2^d`` and ``up`` is
+  derived from it by a static product (the data divided by ``up`` times a constant, XLA
+  turned the division back into a product by a reciprocal in a kernel of its own).
 * **A traced one** (:func:`traced_one`) where a rule's scale is 1 but its input's scale is
   traced (``exp``, ``logistic``): a static 1 would let the scale arithmetic chain uncut
   through softmax, and the unrolled transformer of ``benchmarks/trace_speed.py`` then

@@ -294,8 +294,9 @@ def guard_factors(
     magnitude, without branches: ``up`` in a small kernel of its own
     (:func:`~jax_scaled.pow2.xla.computed_once`), and ``down`` divided out of it
     (:func:`~jax_scaled.pow2.xla.reciprocal_power`), which :func:`times_scalar` applies as
-    a division of the data by ``up`` where ``divisor_exponent`` is 0, and XLA does not copy
-    into its readers otherwise. Copied, the chain was compiled again in the kernel that writes the
+    a division of the data by ``up * 2^divisor_exponent`` (that product is what the small
+    kernel works out for a positive ``divisor_exponent``, and ``up`` is derived from it).
+    Copied, the chain was compiled again in the kernel that writes the
     guarded data and in every kernel that reads its scale (the 4-layer GPT's float16 step:
     50.8k instructions instead of 42.1k); carried by a variadic reduction, both factors
     cost a reduction and its region per guard (4% of the 1-layer GPT's float16 step). The
@@ -315,6 +316,9 @@ def guard_factors(
     if found is not None:
         return found
     largest = memoized(_LARGEST, wide, lambda: largest_magnitude(wide))
+    if divisor_exponent > 0:  # the data divided by up * 2^d, worked out in the small kernel
+        divisor = computed_once(_up_factor(largest, band, divisor_exponent, divisor_exponent))
+        return reciprocal_power(divisor), scale_mul(divisor, np.float32(2.0**-divisor_exponent))
     up = computed_once(_up_factor(largest, band, divisor_exponent))
     # Exact: both factors are normal powers of two.
     return reciprocal_power(up, divisor_exponent), up
@@ -324,9 +328,11 @@ def _factors_kind(band: tuple[int, int, int], divisor_exponent: int) -> str:
     return f"guard_factors{band}/{divisor_exponent}"
 
 
-def _up_factor(largest: jax.Array, band: tuple[int, int, int], divisor_exponent: int) -> jax.Array:
-    """The guard's factor ``up`` for data whose largest magnitude is ``largest`` (float32,
-    elementwise for several guards at once)."""
+def _up_factor(
+    largest: jax.Array, band: tuple[int, int, int], divisor_exponent: int, times: int = 0
+) -> jax.Array:
+    """The guard's factor ``up`` (times ``2^times``) for data whose largest magnitude is
+    ``largest`` (float32, elementwise for several guards at once)."""
     low, high, target = (e + divisor_exponent for e in band)
 
     def field(exponent: int, minus: int = 0) -> np.ndarray:  # of 2^e, as uint32 literals
@@ -347,7 +353,7 @@ def _up_factor(largest: jax.Array, band: tuple[int, int, int], divisor_exponent:
     # The exponent field moved to the target: the largest datum's (no lower than 2^-126
     # times the target), or the target's own when nothing moves.
     centre = lax.select(outside, lax.max(exponent_bits, field(target - 126)), field(target))
-    up_bits = lax.sub(centre, field(target - EXPONENT_BIAS))
+    up_bits = lax.sub(centre, field(target - times - EXPONENT_BIAS))
     return lax.bitcast_convert_type(up_bits, jnp.float32)
 
 
