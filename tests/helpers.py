@@ -394,6 +394,29 @@ def residual_loss(weights: Sequence[Any], x: Any, activation: Callable = jax.nn.
     return jnp.mean(h**2)
 
 
+HOW = ("as_scaled_array", "scaled_array", "quantize", "in_jit")  # the ways of :func:`built`
+
+
+def covering(primary: Sequence[Any], secondary: Sequence[Any]) -> list[tuple]:
+    """Test cases pairing every ``primary`` case with the ``secondary`` cases in turn, so
+    that each of both appears at least once, not their product (each a tuple or one value).
+    For tests whose secondary axis (how an input is built) is checked in full elsewhere.
+
+    Example:
+        >>> covering(["a", "b", "c"], [(1, "x"), (2, "y")])
+        [('a', 1, 'x'), ('b', 2, 'y'), ('c', 1, 'x')]
+    """
+
+    def as_tuple(case: Any) -> tuple:
+        return case if isinstance(case, tuple) else (case,)
+
+    count = max(len(primary), len(secondary))
+    return [
+        as_tuple(primary[i % len(primary)]) + as_tuple(secondary[i % len(secondary)])
+        for i in range(count)
+    ]
+
+
 def built(how: str, values: jax.Array, dtype, scale: float):
     """``values * scale`` as a ScaledArray of ``dtype`` data, built the way ``how`` names."""
     if how == "as_scaled_array":
@@ -403,8 +426,12 @@ def built(how: str, values: jax.Array, dtype, scale: float):
     if how == "quantize":
         return js.quantize(values * scale, dtype)
 
-    def in_jit(v):  # a power-of-two scale computed inside jit, the data divided by it
-        power = jnp.exp2(jnp.floor(jnp.log2(jnp.max(jnp.abs(v)))))
-        return js.scaled_array((v / power).astype(dtype), power * scale)
+    return _built_in_jit(values, dtype, np.float32(scale))
 
-    return jax.jit(in_jit)(values)
+
+@functools.partial(jax.jit, static_argnums=1)
+def _built_in_jit(values: jax.Array, dtype, scale: jax.Array) -> js.ScaledArray:
+    """A power-of-two scale computed inside jit, the data divided by it (compiled once per
+    shape and dtype, however many scales a test draws)."""
+    power = jnp.exp2(jnp.floor(jnp.log2(jnp.max(jnp.abs(values)))))
+    return js.scaled_array((values / power).astype(dtype), power * scale)

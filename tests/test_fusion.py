@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import built, compiled_computations, residual_loss
+from helpers import HOW, built, compiled_computations, covering, residual_loss
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -403,13 +403,15 @@ def test_a_global_norm_clip_keeps_its_values(scale):
         np.testing.assert_allclose(actual, value, rtol=8 * eps, atol=eps * largest)
 
 
-@pytest.mark.parametrize("how", ["as_scaled_array", "scaled_array", "quantize", "in_jit"])
+NORM_INPUTS = [(jnp.float16, 2.0**-20), (jnp.float16, 2.0**20), (jnp.float32, 2.0**-7)] + [
+    (jnp.float32, 2.0**9)
+]
+
+
 @pytest.mark.parametrize(
-    "dtype, scale",
-    [(jnp.float16, 2.0**-20), (jnp.float16, 2.0**20), (jnp.float32, 2.0**-7)]
-    + [(jnp.float32, 2.0**9)],
+    ("dtype", "scale", "leaves", "how"),
+    covering([(*inputs, leaves) for inputs in NORM_INPUTS for leaves in (3, 20)], HOW),
 )
-@pytest.mark.parametrize("leaves", [3, 20])
 def test_a_global_norm_through_its_root_kernel_keeps_its_value(how, dtype, scale, leaves):
     # The square root's 0-d operand (the sum of squares of every leaf) travels as its bits
     # through a reduction of its own, and with 20 leaves the running sum is stored that way

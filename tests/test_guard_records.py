@@ -2,16 +2,18 @@
 largest magnitude serves the guard of its next narrowing (a cast to float8, a power), and a
 division by one leaves its operand as it is."""
 
+from itertools import product
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import all_eqns, built, heavy_tailed
+from helpers import HOW, all_eqns, built, covering, heavy_tailed
 
 import jax_scaled as js
 from jax_scaled.nn.cast_contraction import current_scale
 
-HOW = ["as_scaled_array", "scaled_array", "quantize", "in_jit"]
+EXTREMES = [2.0**-20, 2.0**20]
 CONSUMERS = {
     "cast to E4M3": lambda y: y.astype(jnp.float8_e4m3fn),
     "cast to E5M2": lambda y: y.astype(jnp.float8_e5m2),
@@ -33,9 +35,9 @@ def _bytes(y: js.ScaledArray) -> tuple[bytes, bytes]:
     return np.asarray(y.data).tobytes(), np.asarray(y.scale).tobytes()
 
 
-@pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20])
-@pytest.mark.parametrize("how", HOW)
-@pytest.mark.parametrize("consumer", list(CONSUMERS))
+@pytest.mark.parametrize(
+    ("consumer", "scale", "how"), covering(list(product(CONSUMERS, [2.0**-20, 1.0, 2.0**20])), HOW)
+)
 def test_a_guarded_output_s_next_guard_reads_its_largest_magnitude(consumer, how, scale):
     # Same bits as a guard that reduces the float16 data afresh, with one reduction fewer.
     read = CONSUMERS[consumer]
@@ -96,10 +98,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("scale", [2.0**-20, 2.0**20])
-@pytest.mark.parametrize("how", HOW)
-@pytest.mark.parametrize("consumer", ["cast to E4M3", "square"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    ("layout", "consumer", "how", "scale"),
+    covering(list(product(LAYOUTS, ["cast to E4M3", "square"])), list(product(HOW, EXTREMES))),
+)
 def test_a_guard_record_holds_through_data_movement(layout, consumer, how, scale):
     # A layout op keeps every magnitude: the next guard reads the product's record.
     read, move = CONSUMERS[consumer], LAYOUTS[layout]
@@ -116,9 +118,10 @@ def test_a_guard_record_holds_through_data_movement(layout, consumer, how, scale
     assert _reductions(together, x, w) == _reductions(_guarded_product, x, w)
 
 
-@pytest.mark.parametrize("scale", [2.0**-20, 2.0**20])
-@pytest.mark.parametrize("how", HOW)
-@pytest.mark.parametrize("layout", ["reshape", "transpose", "broadcast"])
+@pytest.mark.parametrize(
+    ("layout", "scale", "how"),
+    covering(list(product(["reshape", "transpose", "broadcast"], EXTREMES)), HOW),
+)
 def test_a_float32_rescale_s_record_holds_through_data_movement(layout, how, scale):
     # A dynamic rescale records the largest magnitude of its float32 output; a cast of the
     # moved data to float16 reads it (float32 data at scales far from 1).

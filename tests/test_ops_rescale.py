@@ -1,6 +1,7 @@
 """Dynamic rescaling (js.ops.dynamic_rescale_*): data re-centred, value kept, identity outside."""
 
 import functools
+from itertools import product
 
 import jax
 import jax.numpy as jnp
@@ -9,11 +10,13 @@ import numpy as np
 import pytest
 from helpers import (
     FLOAT_DTYPES,
+    HOW,
     all_eqns,
     assert_pow2_scales,
     built,
     check_e8m0_matches,
     compiled_computations,
+    covering,
     heavy_tailed,
     random_data,
     value64,
@@ -191,12 +194,9 @@ def test_a_rescaled_scale_is_computed_once_for_its_readers(norm):
     assert_same_value(y, js.scalify(lambda x: x * 3.0)(x))
 
 
-HOW = ["as_scaled_array", "scaled_array", "quantize", "in_jit"]
-
-
-@pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20])
-@pytest.mark.parametrize("how", HOW)
-@pytest.mark.parametrize("norm", list(RESCALE))
+@pytest.mark.parametrize(
+    ("norm", "scale", "how"), covering(list(product(RESCALE, [2.0**-20, 1.0, 2.0**20])), HOW)
+)
 def test_a_rescaled_cast_is_guarded_from_the_rescale_s_largest_magnitude(norm, how, scale):
     # New float16 master weights are rescaled, saturated and cast: the cast's range guard
     # reads the largest magnitude the rescale took (multiplied and clipped as the data is)

@@ -3,6 +3,7 @@ range guards of a step's parameter casts and the new scales of its rescales, eac
 one small kernel. The same factors, data and scales as one each, bit for bit, at real sizes
 and scales far from 1."""
 
+from itertools import product
 from unittest import mock
 
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import built
+from helpers import HOW, built, covering
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -22,6 +23,9 @@ from jax_scaled.scales.guard import guard_factors, guard_factors_together
 
 NARROW = [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2]
 SPECIAL = [0.0, np.inf, 2.0**-140, 2.0**127, np.nan]
+
+
+SCALES = [2.0**-20, 1.0, 2.0**20]
 
 
 def bits(x: jax.Array) -> np.ndarray:
@@ -72,9 +76,10 @@ def cast_each_alone(params: dict, dtype) -> dict:
     return {k: jax.jit(cast)(p) for k, p in params.items()}
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn])
-@pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20])
-@pytest.mark.parametrize("how", ["as_scaled_array", "scaled_array", "quantize", "in_jit"])
+@pytest.mark.parametrize(
+    ("dtype", "scale", "how"),
+    covering(list(product([jnp.float16, jnp.float8_e4m3fn], SCALES)), HOW),
+)
 def test_parameter_casts_keep_the_data_and_scales_of_one_guard_each(dtype, scale, how):
     params = parameters(scale, how)
     together = jax.jit(js.scalify(lambda p: js.tree.astype(p, dtype)))(params)
@@ -174,9 +179,9 @@ def master_weights(scale: float, how: str, count: int = 5) -> tuple[dict, dict]:
     return params, updates
 
 
-@pytest.mark.parametrize("rescale", ["l1", "l2", "max"])
-@pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20])
-@pytest.mark.parametrize("how", ["as_scaled_array", "scaled_array", "quantize", "in_jit"])
+@pytest.mark.parametrize(
+    ("rescale", "scale", "how"), covering(list(product(["l1", "l2", "max"], SCALES)), HOW)
+)
 def test_master_weights_updated_together_are_those_updated_alone(rescale, scale, how):
     params, updates = master_weights(scale, how)
 
