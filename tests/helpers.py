@@ -400,7 +400,8 @@ HOW = ("as_scaled_array", "scaled_array", "quantize", "in_jit")  # the ways of :
 def covering(primary: Sequence[Any], secondary: Sequence[Any]) -> list[tuple]:
     """Test cases pairing every ``primary`` case with the ``secondary`` cases in turn, so
     that each of both appears at least once, not their product (each a tuple or one value).
-    For tests whose secondary axis (how an input is built) is checked in full elsewhere.
+    For same-bits checks of an optimization, where each way of building an input needs to
+    meet the optimized path, not every case of it.
 
     Example:
         >>> covering(["a", "b", "c"], [(1, "x"), (2, "y")])
