@@ -105,7 +105,9 @@ def scaled_arrays(
     """
     seed = draw(st.integers(0, 2**31 - 1))
     data = random_data(seed, shape, dtype, low=low, high=high)
-    return js.ScaledArray(jnp.asarray(data), jnp.float32(draw(scales(min_exp, max_exp))))
+    scale = np.float32(draw(scales(min_exp, max_exp)))
+    # device_put, not jnp.asarray: the latter compiles a copy for every new shape
+    return js.ScaledArray(jax.device_put(data), jax.device_put(scale))
 
 
 def reference64(fn: Callable, *inputs: Any) -> Any:

@@ -5,6 +5,7 @@ arithmetic where the plain one has almost none."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 from helpers import load_benchmark
@@ -16,13 +17,16 @@ hlo_anatomy = load_benchmark("hlo_anatomy")
 TINY = dataclasses.replace(ms.SIZE, width=16, heads=2, context=8, batch_size=2, layers=1)
 
 
-def _compiled_text(name: str) -> str:
+@functools.cache
+def _compiled_part(name: str, part: str = "step") -> str:
+    """One compilation per configuration and part for both tests (each takes seconds)."""
     params = ms.init_params(TINY.model_config(ms.VOCAB), "unrolled", 0)
-    return hlo_anatomy.compiled_step_text(name, TINY, "unrolled", params, ms.batch_of(TINY))
+    batch = ms.batch_of(TINY)
+    return hlo_anatomy.compiled_part_text(name, TINY, "unrolled", params, batch, part)
 
 
 def test_kinds_add_up_and_lines_are_attributed():
-    texts = [_compiled_text(name) for name in ("fp32", "fp16_scalify")]
+    texts = [_compiled_part(name) for name in ("fp32", "fp16_scalify")]
     plain, scaled = (hlo_anatomy.anatomy(text) for text in texts)
     for text, found in zip(texts, (plain, scaled), strict=True):
         assert found.total == ms.hlo_instructions(text) == sum(found.lines.values())
@@ -44,13 +48,7 @@ def test_unknown_config_is_an_error():
 
 def test_the_step_s_parts_compile_less_than_the_step():
     # grads: forward and backward only; plain-optimizer: those grads and optax in float32
-    params = ms.init_params(TINY.model_config(ms.VOCAB), "unrolled", 0)
-    batch = ms.batch_of(TINY)
-    counts = {
-        part: ms.hlo_instructions(
-            hlo_anatomy.compiled_part_text("fp16_scalify", TINY, "unrolled", params, batch, part)
-        )
-        for part in hlo_anatomy.PARTS
-    }
+    parts = hlo_anatomy.PARTS
+    counts = {part: ms.hlo_instructions(_compiled_part("fp16_scalify", part)) for part in parts}
     assert counts["grads"] < counts["plain-optimizer"] < counts["step"], counts
     assert hlo_anatomy.parse_args(["--part", "grads"]).part == "grads"
