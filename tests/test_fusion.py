@@ -403,9 +403,9 @@ def test_a_global_norm_clip_keeps_its_values(scale):
         np.testing.assert_allclose(actual, value, rtol=8 * eps, atol=eps * largest)
 
 
-NORM_INPUTS = [(jnp.float16, 2.0**-20), (jnp.float16, 2.0**20), (jnp.float32, 2.0**-7)] + [
-    (jnp.float32, 2.0**9)
-]
+NORM_INPUTS = [
+    (jnp.float16, 2.0**-20), (jnp.float16, 2.0**20), (jnp.float32, 2.0**-7), (jnp.float32, 2.0**9)
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(

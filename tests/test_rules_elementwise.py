@@ -40,7 +40,7 @@ def run(fn, *inputs):
 @st.composite
 def same_value(draw, x: js.ScaledArray) -> js.ScaledArray:
     """``x`` re-expressed exactly at a scale 2^-k smaller (data times 2^k, k in [0, 4])."""
-    k = 2.0 ** draw(st.integers(0, 4))
+    k = np.float32(2.0 ** draw(st.integers(0, 4)))  # float32 under numpy 1's promotion too
     data = (np.asarray(x.data, np.float32) * k).astype(x.dtype)  # numpy: no compile per shape
     return js.ScaledArray(jax.device_put(data), jax.device_put(np.float32(x.scale) / k))
 
