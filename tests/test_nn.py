@@ -1,6 +1,7 @@
 """js.nn: same values as jax.nn outside scalify; accurate scale rules inside it."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -281,3 +282,58 @@ def test_scale_estimates_follow_the_unit_scaling_assumptions():
     assert float(js.scalify(js.nn.layer_norm)(big).scale) == 1.0
     grad = js.scalify(jax.grad(lambda x: jnp.sum(js.nn.rms_norm(x).astype(jnp.float32))))(big)
     assert float(grad.scale) == 2.0**-20
+
+
+NORMS = {
+    "layer_norm": (js.nn.layer_norm, _layer_norm_ref),
+    "rms_norm": (js.nn.rms_norm, _rms_norm_ref),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+@pytest.mark.parametrize("exponent", [-100, -76, -20, 0, 20, 100])
+def test_norms_without_eps_are_accurate_where_the_scale_squared_flushes(name, exponent):
+    """``eps=0``: the normalised data do not depend on the input's scale. A float32 ``s^2``
+    flushes to zero below ``2^-75``; the rule must not form it (it gave NaN data at scale
+    ``2^126``). Forward and input gradient, 32k elements, against float64."""
+    ours, theirs = NORMS[name]
+    x = js.scaled_array(jnp.asarray(random_data(3, (32, 1024), jnp.float16)), 2.0**exponent)
+    w = jnp.asarray(random_data(4, (32, 1024), jnp.float32))
+
+    def value_and_grad(norm):
+        def loss(x):
+            return jnp.sum(norm(x, eps=0.0).astype(jnp.float32) * w)
+
+        return lambda x: (norm(x, eps=0.0), jax.grad(loss)(x))
+
+    out, grad = jax.jit(js.scalify(value_and_grad(ours)))(x)
+    want_out, want_grad = reference64(value_and_grad(theirs), x)
+    assert float(out.scale) == 1.0
+    assert_pow2_scales(grad)
+    assert_close(out, want_out, jnp.float16, ulps=8, normwise=True)
+    assert_close(grad, want_grad, jnp.float16, ulps=16, normwise=True)
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-6, 1e-5, 0.25, 4.0, 1e6])
+@pytest.mark.parametrize("exponent", [-126, -60, -12, -1, 0, 1, 30, 126])
+def test_norm_output_scale_is_the_unit_estimate_min_1_s_over_sqrt_eps(eps, exponent):
+    """The output scale is ``min(1, s / sqrt(eps))`` rounded down to a power of two, at least
+    ``2^-126``; the data then hold the normalised value at that scale, and the input gradient
+    ``scale(g) * r0 / s`` holds the gradient at every ``s`` (64k elements, against float64)."""
+    s = np.float32(2.0**exponent)
+    x = js.scaled_array(jnp.asarray(random_data(5, (16, 4096), jnp.float16)), s)
+    w = jnp.asarray(random_data(6, (16, 4096), jnp.float32))
+
+    def value_and_grad(norm):
+        def loss(x):
+            return jnp.sum(norm(x, eps=eps).astype(jnp.float32) * w)
+
+        return lambda x: (norm(x, eps=eps), jax.grad(loss)(x))
+
+    out, grad = jax.jit(js.scalify(value_and_grad(js.nn.layer_norm)))(x)
+    estimate = float(s) / math.sqrt(float(np.float32(eps)))  # float64: no overflow
+    assert float(out.scale) == max(2.0**-126, min(1.0, 2.0 ** math.floor(math.log2(estimate))))
+    want_out, want_grad = reference64(value_and_grad(_layer_norm_ref), x)
+    assert_close(out, want_out, jnp.float16, ulps=8, normwise=True)
+    assert_pow2_scales(grad)
+    assert_close(grad, want_grad, jnp.float16, ulps=16, normwise=True)

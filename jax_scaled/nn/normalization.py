@@ -18,15 +18,18 @@ The affine part (``* weight + bias``) is ordinary code that scalify propagates.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_scaled.array import ScaledArray
 from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dtypes import compute_dtype
-from jax_scaled.pow2.traced import pow2_reciprocal
+from jax_scaled.pow2.static import MAX_SCALE_EXPONENT, MIN_SCALE_EXPONENT, is_static
+from jax_scaled.pow2.traced import as_float32, pow2_reciprocal
 from jax_scaled.scales import as_scaled, make_scale, round_scale, scale_f32, scale_mul
 
 
@@ -45,30 +48,67 @@ def _normalize_plain(x: jax.Array, eps: float, center: bool) -> jax.Array:
 _normalize_scaled = custom_scale(_normalize_plain, static_argnums=(1, 2))
 
 
-def _data_normalizer(
-    x: ScaledArray, eps: float, center: bool
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(c, r, r0)``: the centred data ``c`` (float32), the factor ``r`` with ``y = c * r``
-    (``r = s / sqrt(s^2 m + eps)``, ``m`` the data's second moment; about 1 for unit data)
-    and ``r0``, the power-of-two estimate of ``r`` for unit data.
+_MIN_SCALE = np.float32(2.0**MIN_SCALE_EXPONENT)
+_MAX_SCALE = np.float32(2.0**MAX_SCALE_EXPONENT)
 
-    ``r`` is written for ``s >= 1`` as ``1 / sqrt(m + eps / s^2)`` and for ``s < 1`` as is,
-    so no term overflows. ``r0`` takes ``m = 1`` and the larger of the variance and ``eps``:
-    ``min(1, s / sqrt(eps))``, exactly 1 unless ``eps`` dominates a tiny variance (where the
-    result is ``x / sqrt(eps)``, small but still represented with unit data). The larger
-    rather than the sum: ``1 / sqrt(1 + eps / s^2)``, a hair below 1, would round down to
-    1/2 and leave the data at RMS 2.
+
+class _Normalizer(NamedTuple):
+    """The normalisation of data ``d`` at scale ``s``: ``y = centred * r`` with the per-row
+    factor ``r = k * rows`` (``r = s / sqrt(s^2 m + eps)``, ``m`` the data's second moment;
+    about 1 for unit data), and ``r0``, the power-of-two estimate of ``r`` for unit data
+    (:func:`_unit_estimate`).
+
+    ``r`` is written for ``s >= 1`` as ``1 / sqrt(m + eps / s^2)`` (``k = 1``) and for
+    ``s < 1`` as ``s / sqrt(s^2 m + eps)`` (``k = s``), so no term overflows; with no ``eps``
+    it is ``1 / sqrt(m)``, which no ``s`` can flush.
     """
+
+    centred: jax.Array  # float32
+    rows: jax.Array
+    k: jax.Array
+    r0: jax.Array
+
+    @property
+    def r(self) -> jax.Array:
+        return self.rows if is_static(self.k) else self.k * self.rows
+
+    @property
+    def data_factor(self) -> jax.Array:
+        """``r / r0``, with the exact power of two ``k / r0`` formed first: ``r`` alone can be
+        below float32's normal range (``s = 2^-126``, ``eps = 4``) where ``r / r0`` is not."""
+        if is_static(self.r0):
+            return self.rows
+        return self.rows * scale_mul(self.k, pow2_reciprocal(self.r0))
+
+
+def _data_normalizer(x: ScaledArray, eps: float, center: bool) -> _Normalizer:
     s = scale_f32(x)
-    large = s >= 1
-    a = jnp.where(large, 1, lax.square(s))
-    b = jnp.where(large, eps * lax.square(pow2_reciprocal(s)), eps)
-    k = jnp.where(large, 1, s)
     wide = _centered(x.data, center)
     second_moment = jnp.mean(lax.square(wide), axis=-1, keepdims=True)
-    r = k * lax.rsqrt(a * second_moment + b)
-    r0 = round_scale(lax.max(k * lax.rsqrt(lax.max(a, b)), jnp.float32(2.0**-126)))
-    return wide, r, r0
+    if np.float32(eps) == 0:
+        one = np.float32(1)
+        return _Normalizer(wide, lax.rsqrt(second_moment), one, one)
+    k = lax.min(s, np.float32(1))
+    stabiliser = eps * lax.square(pow2_reciprocal(lax.max(s, np.float32(1))))
+    rows = lax.rsqrt(lax.square(k) * second_moment + stabiliser)
+    return _Normalizer(wide, rows, k, _unit_estimate(s, eps))
+
+
+def _unit_estimate(s, eps: float):
+    """``min(1, s / sqrt(eps))`` as a power of two, at least ``2^-126``: the RMS of the
+    normalised unit data (scale ``s``) whose variance 1 and ``eps / s^2`` add up, the larger
+    term taken rather than the sum: ``1 / sqrt(1 + eps / s^2)``, a hair below 1, would round
+    down to 1/2 and leave the data at RMS 2. ``1 / sqrt(eps)`` is rounded at trace time, so
+    for a power of two ``s`` the estimate is one product and a clamp.
+    """
+    inverse_root = round_scale(np.float32(1) / np.sqrt(np.float32(eps)))
+    return lax.clamp(_MIN_SCALE, scale_mul(s, inverse_root), np.float32(1))
+
+
+def _in_scale_range(product: jax.Array) -> jax.Array:
+    """A product of powers of two, a power of two itself: clamped into the scales' range
+    (what :func:`round_scale` would give, without its rounding)."""
+    return lax.clamp(_MIN_SCALE, as_float32(product), _MAX_SCALE)
 
 
 @_normalize_scaled.defscale
@@ -77,12 +117,12 @@ def _normalize_rule(x: ScaledArray, eps: float, center: bool) -> ScaledArray:
 
     Unit-scaling assumption: the normalised value has RMS ``sqrt(var / (var + eps))``, 1
     unless ``eps`` dominates; the output scale is its power-of-two estimate ``r0``
-    (:func:`_data_normalizer`).
+    (:class:`_Normalizer`).
     """
     x = as_scaled(x)
-    wide, r, r0 = _data_normalizer(x, eps, center)
-    data = (wide * (r * pow2_reciprocal(r0))).astype(x.dtype)
-    return ScaledArray(data, make_scale(r0, x))
+    norm = _data_normalizer(x, eps, center)
+    data = (norm.centred * norm.data_factor).astype(x.dtype)
+    return ScaledArray(data, make_scale(norm.r0, x))
 
 
 def _normalize_grad_plain(x: jax.Array, g: jax.Array, eps: float, center: bool) -> jax.Array:
@@ -102,18 +142,19 @@ _normalize_grad = custom_scale(_normalize_grad_plain, static_argnums=(2, 3))
 def _normalize_grad_rule(x: ScaledArray, g: ScaledArray, eps: float, center: bool) -> ScaledArray:
     """The input gradient at scale ``scale(g) * r0 / s``.
 
-    ``1 / sigma = r / s`` (:func:`_data_normalizer`), so the gradient is
+    ``1 / sigma = r / s`` (:class:`_Normalizer`), so the gradient is
     ``(scale(g) / s) * r * (g_d - mean g_d - y mean(g_d y))`` with ``g_d`` the cotangent's
     data. For unit-normal ``g_d`` independent of ``y``, the bracket has RMS about 1 (its two
     corrections are ``O(1 / sqrt(N))``); ``r`` is about ``r0``, the forward's output scale.
     """
     x, g = as_scaled(x), as_scaled(g)
-    wide, r, r0 = _data_normalizer(x, eps, center)
-    y = wide * r
-    g_data = g.data.astype(wide.dtype)
+    norm = _data_normalizer(x, eps, center)
+    y = norm.centred * norm.r
+    g_data = g.data.astype(y.dtype)
     inner = _centered(g_data, center) - y * jnp.mean(g_data * y, axis=-1, keepdims=True)
-    data = (inner * (r * pow2_reciprocal(r0))).astype(x.dtype)
-    scale = round_scale(scale_mul(scale_mul(scale_f32(g), r0), pow2_reciprocal(scale_f32(x))))
+    data = (inner * norm.data_factor).astype(x.dtype)
+    r0_over_s = scale_mul(norm.r0, pow2_reciprocal(scale_f32(x)))
+    scale = _in_scale_range(scale_mul(scale_f32(g), r0_over_s))
     return ScaledArray(data, make_scale(scale, x, g))
 
 
