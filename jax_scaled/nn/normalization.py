@@ -30,6 +30,7 @@ from jax_scaled.custom_scale import custom_scale
 from jax_scaled.dtypes import compute_dtype
 from jax_scaled.pow2.static import MAX_SCALE_EXPONENT, MIN_SCALE_EXPONENT, is_static
 from jax_scaled.pow2.traced import as_float32, pow2_reciprocal
+from jax_scaled.pow2.xla import computed_once
 from jax_scaled.scales import as_scaled, make_scale, round_scale, scale_f32, scale_mul
 
 
@@ -78,7 +79,7 @@ class _Normalizer(NamedTuple):
         below float32's normal range (``s = 2^-126``, ``eps = 4``) where ``r / r0`` is not."""
         if is_static(self.r0):
             return self.rows
-        return self.rows * scale_mul(self.k, pow2_reciprocal(self.r0))
+        return self.rows * computed_once(scale_mul(self.k, pow2_reciprocal(self.r0)))
 
 
 def _data_normalizer(x: ScaledArray, eps: float, center: bool) -> _Normalizer:
@@ -99,10 +100,12 @@ def _unit_estimate(s, eps: float):
     normalised unit data (scale ``s``) whose variance 1 and ``eps / s^2`` add up, the larger
     term taken rather than the sum: ``1 / sqrt(1 + eps / s^2)``, a hair below 1, would round
     down to 1/2 and leave the data at RMS 2. ``1 / sqrt(eps)`` is rounded at trace time, so
-    for a power of two ``s`` the estimate is one product and a clamp.
+    for a power of two ``s`` the estimate is one product and a clamp, computed once
+    (:func:`~jax_scaled.pow2.xla.computed_once`, as is ``k / r0``): XLA copied both into each
+    kernel that reads the output's scale or data, forward and backward.
     """
     inverse_root = round_scale(np.float32(1) / np.sqrt(np.float32(eps)))
-    return lax.clamp(_MIN_SCALE, scale_mul(s, inverse_root), np.float32(1))
+    return computed_once(lax.clamp(_MIN_SCALE, scale_mul(s, inverse_root), np.float32(1)))
 
 
 def _in_scale_range(product: jax.Array) -> jax.Array:
