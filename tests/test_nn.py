@@ -284,10 +284,29 @@ def test_scale_estimates_follow_the_unit_scaling_assumptions():
     assert float(grad.scale) == 2.0**-20
 
 
-NORMS = {
-    "layer_norm": (js.nn.layer_norm, _layer_norm_ref),
-    "rms_norm": (js.nn.rms_norm, _rms_norm_ref),
-}
+NORMS = {name: PAIRS[name] for name in ("layer_norm", "rms_norm")}
+
+
+def _value_and_grad(norm, eps: float, w: jax.Array):
+    """``x -> (norm(x), d/dx sum(norm(x) * w))`` with ``eps``."""
+
+    def loss(x):
+        return jnp.sum(norm(x, eps=eps).astype(jnp.float32) * w)
+
+    return lambda x: (norm(x, eps=eps), jax.grad(loss)(x))
+
+
+@functools.cache
+def _norm_programs(name: str, eps: float) -> tuple:
+    """The scalified program (jitted: every input scale runs the same compiled step) and its
+    reference, 32 x 2048 elements; cached, so that the cases of one ``eps`` compile once."""
+    ours, theirs = NORMS[name]
+    w = jnp.asarray(random_data(4, (32, 2048), jnp.float32))
+    return jax.jit(js.scalify(_value_and_grad(ours, eps, w))), _value_and_grad(theirs, eps, w)
+
+
+def _norm_input(exponent: int) -> js.ScaledArray:
+    return js.scaled_array(jnp.asarray(random_data(3, (32, 2048), jnp.float16)), 2.0**exponent)
 
 
 @pytest.mark.parametrize("name", sorted(NORMS))
@@ -295,19 +314,11 @@ NORMS = {
 def test_norms_without_eps_are_accurate_where_the_scale_squared_flushes(name, exponent):
     """``eps=0``: the normalised data do not depend on the input's scale. A float32 ``s^2``
     flushes to zero below ``2^-75``; the rule must not form it (it gave NaN data at scale
-    ``2^126``). Forward and input gradient, 32k elements, against float64."""
-    ours, theirs = NORMS[name]
-    x = js.scaled_array(jnp.asarray(random_data(3, (32, 1024), jnp.float16)), 2.0**exponent)
-    w = jnp.asarray(random_data(4, (32, 1024), jnp.float32))
-
-    def value_and_grad(norm):
-        def loss(x):
-            return jnp.sum(norm(x, eps=0.0).astype(jnp.float32) * w)
-
-        return lambda x: (norm(x, eps=0.0), jax.grad(loss)(x))
-
-    out, grad = jax.jit(js.scalify(value_and_grad(ours)))(x)
-    want_out, want_grad = reference64(value_and_grad(theirs), x)
+    ``2^126``). Forward and input gradient, 64k elements, against float64."""
+    scalified, reference = _norm_programs(name, 0.0)
+    x = _norm_input(exponent)
+    out, grad = scalified(x)
+    want_out, want_grad = reference64(reference, x)
     assert float(out.scale) == 1.0
     assert_pow2_scales(grad)
     assert_close(out, want_out, jnp.float16, ulps=8, normwise=True)
@@ -320,20 +331,12 @@ def test_norm_output_scale_is_the_unit_estimate_min_1_s_over_sqrt_eps(eps, expon
     """The output scale is ``min(1, s / sqrt(eps))`` rounded down to a power of two, at least
     ``2^-126``; the data then hold the normalised value at that scale, and the input gradient
     ``scale(g) * r0 / s`` holds the gradient at every ``s`` (64k elements, against float64)."""
-    s = np.float32(2.0**exponent)
-    x = js.scaled_array(jnp.asarray(random_data(5, (16, 4096), jnp.float16)), s)
-    w = jnp.asarray(random_data(6, (16, 4096), jnp.float32))
-
-    def value_and_grad(norm):
-        def loss(x):
-            return jnp.sum(norm(x, eps=eps).astype(jnp.float32) * w)
-
-        return lambda x: (norm(x, eps=eps), jax.grad(loss)(x))
-
-    out, grad = jax.jit(js.scalify(value_and_grad(js.nn.layer_norm)))(x)
-    estimate = float(s) / math.sqrt(float(np.float32(eps)))  # float64: no overflow
+    scalified, reference = _norm_programs("layer_norm", eps)
+    x = _norm_input(exponent)
+    out, grad = scalified(x)
+    estimate = 2.0**exponent / math.sqrt(float(np.float32(eps)))  # float64: no overflow
     assert float(out.scale) == max(2.0**-126, min(1.0, 2.0 ** math.floor(math.log2(estimate))))
-    want_out, want_grad = reference64(value_and_grad(_layer_norm_ref), x)
+    want_out, want_grad = reference64(reference, x)
     assert_close(out, want_out, jnp.float16, ulps=8, normwise=True)
     assert_pow2_scales(grad)
     assert_close(grad, want_grad, jnp.float16, ulps=16, normwise=True)
