@@ -340,3 +340,43 @@ def test_norm_output_scale_is_the_unit_estimate_min_1_s_over_sqrt_eps(eps, expon
     assert_close(out, want_out, jnp.float16, ulps=8, normwise=True)
     assert_pow2_scales(grad)
     assert_close(grad, want_grad, jnp.float16, ulps=16, normwise=True)
+
+
+BFLOAT16_RULES = ["layer_norm", "rms_norm", "softmax", "log_softmax"]
+
+
+@functools.cache
+def _bfloat16_programs(name: str) -> tuple:
+    """``x -> (f(x), d/dx sum(f(x) * w))`` scalified (jitted once: the scale is an input) and
+    as its float64 reference, for the js.nn function ``name``, and the resolution of the
+    gradient's float32 arithmetic: for the softmax family, float32's of the cotangent ``w``
+    (a peaked row's ``p_i (g_i - sum p g)`` at its largest entry is below it, in the float32
+    program as in ours); the norms' gradient is ``1 / s`` times data, with no floor."""
+    ours, theirs = PAIRS[name]
+    w = jnp.asarray(random_data(2**16 + 1, (32, 1024), jnp.float32))  # not a drawn seed
+
+    def value_and_grad(f):
+        def loss(x):
+            y = f(x).astype(jnp.float32)
+            return jnp.sum(jnp.where(jnp.isfinite(y), y * w, 0))
+
+        return lambda x: (f(x), jax.grad(loss)(x))
+
+    floor = float(jnp.finfo(jnp.float32).eps * jnp.max(jnp.abs(w))) if "softmax" in name else 0.0
+    return jax.jit(js.scalify(value_and_grad(ours))), value_and_grad(theirs), floor
+
+
+@pytest.mark.parametrize("name", BFLOAT16_RULES)
+@given(exponent=st.integers(-100, 100), seed=st.integers(0, 2**16))
+def test_bfloat16_norm_and_softmax_rules_are_accurate_at_any_scale(name, exponent, seed):
+    """The custom rules on bfloat16 data at scales a float16 program could not hold (a float32
+    one neither: the norms' sum of squares overflows from ``2^59``), 32k elements, output and
+    input gradient against float64."""
+    scalified, reference, floor = _bfloat16_programs(name)
+    x = js.scaled_array(jnp.asarray(random_data(seed, (32, 1024), jnp.bfloat16)), 2.0**exponent)
+    out, grad = scalified(x)
+    want_out, want_grad = reference64(reference, x)
+    assert out.dtype == grad.dtype == jnp.bfloat16
+    assert_pow2_scales((out, grad))
+    assert_close(out, want_out, jnp.bfloat16, ulps=8, normwise=True)
+    assert_close(grad, want_grad, jnp.bfloat16, ulps=16, normwise=True, atol=floor)
