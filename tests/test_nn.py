@@ -287,13 +287,14 @@ def test_scale_estimates_follow_the_unit_scaling_assumptions():
 NORMS = {name: PAIRS[name] for name in ("layer_norm", "rms_norm")}
 
 
-def _value_and_grad(norm, eps: float, w: jax.Array):
-    """``x -> (norm(x), d/dx sum(norm(x) * w))`` with ``eps``."""
+def _value_and_grad(f, w: jax.Array):
+    """``x -> (f(x), d/dx sum(f(x) * w))``, the sum over the finite outputs."""
 
     def loss(x):
-        return jnp.sum(norm(x, eps=eps).astype(jnp.float32) * w)
+        y = f(x).astype(jnp.float32)
+        return jnp.sum(jnp.where(jnp.isfinite(y), y * w, 0))
 
-    return lambda x: (norm(x, eps=eps), jax.grad(loss)(x))
+    return lambda x: (f(x), jax.grad(loss)(x))
 
 
 @functools.cache
@@ -302,7 +303,8 @@ def _norm_programs(name: str, eps: float) -> tuple:
     reference, 32 x 2048 elements; cached, so that the cases of one ``eps`` compile once."""
     ours, theirs = NORMS[name]
     w = jnp.asarray(random_data(4, (32, 2048), jnp.float32))
-    return jax.jit(js.scalify(_value_and_grad(ours, eps, w))), _value_and_grad(theirs, eps, w)
+    ours, theirs = (functools.partial(f, eps=eps) for f in (ours, theirs))
+    return jax.jit(js.scalify(_value_and_grad(ours, w))), _value_and_grad(theirs, w)
 
 
 def _norm_input(exponent: int) -> js.ScaledArray:
@@ -354,16 +356,8 @@ def _bfloat16_programs(name: str) -> tuple:
     program as in ours); the norms' gradient is ``1 / s`` times data, with no floor."""
     ours, theirs = PAIRS[name]
     w = jnp.asarray(random_data(2**16 + 1, (32, 1024), jnp.float32))  # not a drawn seed
-
-    def value_and_grad(f):
-        def loss(x):
-            y = f(x).astype(jnp.float32)
-            return jnp.sum(jnp.where(jnp.isfinite(y), y * w, 0))
-
-        return lambda x: (f(x), jax.grad(loss)(x))
-
     floor = float(jnp.finfo(jnp.float32).eps * jnp.max(jnp.abs(w))) if "softmax" in name else 0.0
-    return jax.jit(js.scalify(value_and_grad(ours))), value_and_grad(theirs), floor
+    return jax.jit(js.scalify(_value_and_grad(ours, w))), _value_and_grad(theirs, w), floor
 
 
 @pytest.mark.parametrize("name", BFLOAT16_RULES)

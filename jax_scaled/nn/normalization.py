@@ -31,7 +31,14 @@ from jax_scaled.dtypes import compute_dtype
 from jax_scaled.pow2.static import MAX_SCALE_EXPONENT, MIN_SCALE_EXPONENT, is_static
 from jax_scaled.pow2.traced import as_float32, pow2_reciprocal
 from jax_scaled.pow2.xla import computed_once
-from jax_scaled.scales import as_scaled, make_scale, round_scale, scale_f32, scale_mul
+from jax_scaled.scales import (
+    as_scaled,
+    make_scale,
+    ratio_to_pow2,
+    round_scale,
+    scale_f32,
+    scale_mul,
+)
 
 
 def _centered(x: jax.Array, center: bool) -> jax.Array:
@@ -79,7 +86,7 @@ class _Normalizer(NamedTuple):
         below float32's normal range (``s = 2^-126``, ``eps = 4``) where ``r / r0`` is not."""
         if is_static(self.r0):
             return self.rows
-        return self.rows * computed_once(scale_mul(self.k, pow2_reciprocal(self.r0)))
+        return self.rows * computed_once(ratio_to_pow2(self.k, self.r0))
 
 
 def _data_normalizer(x: ScaledArray, eps: float, center: bool) -> _Normalizer:
@@ -156,8 +163,7 @@ def _normalize_grad_rule(x: ScaledArray, g: ScaledArray, eps: float, center: boo
     g_data = g.data.astype(y.dtype)
     inner = _centered(g_data, center) - y * jnp.mean(g_data * y, axis=-1, keepdims=True)
     data = (inner * norm.data_factor).astype(x.dtype)
-    r0_over_s = scale_mul(norm.r0, pow2_reciprocal(scale_f32(x)))
-    scale = _in_scale_range(scale_mul(scale_f32(g), r0_over_s))
+    scale = _in_scale_range(scale_mul(scale_f32(g), ratio_to_pow2(norm.r0, scale_f32(x))))
     return ScaledArray(data, make_scale(scale, x, g))
 
 
