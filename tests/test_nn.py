@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 import jax_scaled as js
 from tests.helpers import (
+    HOW,
     assert_close,
     assert_pow2_scales,
+    built,
     random_data,
     reference32,
     reference64,
@@ -374,3 +376,31 @@ def test_bfloat16_norm_and_softmax_rules_are_accurate_at_any_scale(name, exponen
     assert_pow2_scales((out, grad))
     assert_close(out, want_out, jnp.bfloat16, ulps=8, normwise=True)
     assert_close(grad, want_grad, jnp.bfloat16, ulps=16, normwise=True, atol=floor)
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize(
+    "dtype,exponent,eps",
+    [(jnp.float16, -20, 1e-5), (jnp.float16, 20, 1e-5), (jnp.float16, -100, 0.0),
+     (jnp.float32, -100, 1e-5)],
+)  # fmt: skip
+def test_norms_of_scaled_arrays_built_every_way(how, dtype, exponent, eps):
+    """Layer norm on inputs built every way the API allows (a scale computed inside jit
+    included), float16 at ``2^-20`` and ``2^20``, without ``eps`` at ``2^-100`` where ``s^2``
+    flushes, and float32 at a non-unit scale: output and input gradient against float64.
+    ``as_scaled_array`` splits the float32 values, then the ScaledArray is cast, as users get
+    float16 ones: a float16 array cannot hold values at ``2^-100`` or ``2^20``."""
+    values = jnp.asarray(random_data(3, (32, 2048), jnp.float32))
+    if how == "as_scaled_array":
+        x = js.tree.astype(js.as_scaled_array(values * 2.0**exponent), dtype)
+    else:
+        x = built(how, values, dtype, 2.0**exponent)
+    data = np.asarray(x.data, np.float32)
+    assert np.all(np.isfinite(data)) and np.any(data)  # a value the test can check
+    scalified, reference = _norm_programs("layer_norm", eps)
+    out, grad = scalified(x)
+    want_out, want_grad = reference64(reference, x)
+    assert out.dtype == grad.dtype == dtype
+    assert_pow2_scales((out, grad))
+    assert_close(out, want_out, dtype, ulps=8, normwise=True)
+    assert_close(grad, want_grad, dtype, ulps=16, normwise=True)
