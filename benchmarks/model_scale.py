@@ -16,8 +16,12 @@ and configuration. Layouts:
 
 Configurations (``--configs``): ``fp32`` and the scalify ones (``fp16_scalify``,
 ``fp8_scalify``, ``fp8_policy_scalify``, ``mxfp8_scalify``, any of ``table3.PRECISIONS``) are
-built as ``experiments/table3.py`` builds them; ``bf16`` is plain bfloat16 compute on float32
-master weights and Adam state; ``qwix_fp8`` is the same bf16 step with the unmodified model
+built as ``experiments/table3.py`` builds them; ``bf16`` and ``fp16`` are plain bfloat16 and
+float16 compute on float32 master weights and Adam state (``fp16`` is ``fp16_scalify``'s data
+types without scale propagation: no loss scaling, so it does not train; its program is the
+reference of size and speed); ``fp8_policy_f32_storage_scalify`` is ``fp8_policy_scalify``
+with float32 master weights and Adam state, qwix's storage, where ``fp8_policy_scalify``
+keeps both in float16; ``qwix_fp8`` is the same bf16 step with the unmodified model
 handed to qwix's quantized training (``qwix.quantize_model(model, qwix.QtProvider([rule]))``,
 rule :data:`QWIX_RULE`: the blocks' weight matmuls ``qkv``, ``proj`` and ``fc`` take E4M3
 operands forward and an E5M2 output gradient backward; attention products and the output head
@@ -39,7 +43,11 @@ Columns:
   once). On CPU, XLA later computes them in wider types; the count is what each method asks of
   the compiler;
 * *vs fp32*: (trace + lower + compile) and step time over ``fp32``'s, same layers and layout;
-* *vs qwix*: the same over ``qwix_fp8``'s, for the scalify FP8 configurations.
+* *vs qwix*: the same over ``qwix_fp8``'s, for the scalify FP8 configurations;
+* *vs plain of its types*: HLO instructions, build and step time of a scalify configuration
+  over those of the plain program with its data types (:func:`plain_twin`: the same compute,
+  master-weight and Adam-state dtypes, no scale propagation, no FP8) when that program is in
+  the group: ``fp16`` for ``fp16_scalify`` and ``fp8_policy_f32_storage_scalify``.
 
 Rows print as each (layers, layout) group finishes; ``--out`` also (re)writes the markdown
 table to a file after each group.
@@ -72,19 +80,24 @@ BF16 = jnp.dtype(jnp.bfloat16)
 QWIX = "qwix_fp8"
 VOCAB = 96  # benchmarks/table3_compile.py's
 SIZE = table3.SIZES["full"]  # width 128, heads 4, batch 16 x context 128
+POLICY_F32_STORAGE = "fp8_policy_f32_storage_scalify"
 PRECISIONS: dict[str, table3.Precision] = {
     **table3.PRECISIONS,
     "bf16": table3.Precision("bf16", "", compute_dtype=BF16),
+    "fp16": table3.Precision("fp16", "", compute_dtype=table3.F16),
     QWIX: table3.Precision(QWIX, "", compute_dtype=BF16),
-}
-DEFAULT_CONFIGS = ("fp32", "bf16", QWIX, "fp16_scalify", "fp8_scalify", "fp8_policy_scalify",
-                   "mxfp8_scalify")  # fmt: skip
+    POLICY_F32_STORAGE: dataclasses.replace(
+        table3.PRECISIONS["fp8_policy_scalify"], name=POLICY_F32_STORAGE,
+        master_dtype=table3.F32, state_dtype=table3.F32),
+}  # fmt: skip
+DEFAULT_CONFIGS = ("fp32", "bf16", "fp16", QWIX, "fp16_scalify", "fp8_scalify",
+                   "fp8_policy_scalify", POLICY_F32_STORAGE, "mxfp8_scalify")  # fmt: skip
 LAYOUTS = ("unrolled", "scan")
 QWIX_RULE_PATH = r"(.*/)?(qkv|proj|fc)"  # the blocks' Dense modules, unrolled or scanned
 FP8_DOT = re.compile(r"stablehlo\.(?:dot_general|convolution)\b.*: \(([^)]*)\) ->")
 HEADER = ("layers", "layout", "config", "jaxpr eqns", "HLO instrs", "trace s", "lower s",
           "compile s", "step ms", "FP8 dots", "vs fp32 (build, step)",
-          "vs qwix (build, step)")  # fmt: skip
+          "vs qwix (build, step)", "vs plain of its types (HLO, build, step)")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -260,6 +273,36 @@ def ratio(row: Row, ref: Row | None) -> str:
     return f"{row.build / ref.build:.2f}x, {row.step_s / ref.step_s:.2f}x"
 
 
+def plain_twin(name: str, names: Sequence[str]) -> str | None:
+    """The configuration of ``names`` that computes and stores in the data types of the
+    scalified ``name`` (compute, master weights, Adam state) with no scale propagation, no
+    FP8 and no loss scaling: ``fp16`` for ``fp16_scalify``; None when there is none.
+
+    Example:
+        >>> plain_twin("fp16_scalify", ["fp32", "fp16_raw", "fp16"])
+        'fp16'
+        >>> plain_twin("fp8_policy_scalify", ["fp32", "fp16"]) is None  # float16 storage
+        True
+    """
+    precision = PRECISIONS[name]
+    if not precision.scalify:
+        return None
+    types = (precision.compute_dtype, precision.master_dtype, precision.state_dtype)
+    for other in names:
+        p = PRECISIONS[other]
+        plain = not (p.scalify or p.fp8 or p.loss_scaling or other == QWIX)
+        if plain and (p.compute_dtype, p.master_dtype, p.state_dtype) == types:
+            return other
+    return None
+
+
+def plain_ratio(row: Row, ref: Row | None) -> str:
+    """``HLO, build, step`` of ``row`` over its plain twin ``ref``'s, or ``-``."""
+    if ref is None or row.error or ref.error:
+        return "-"
+    return f"{row.hlo / ref.hlo:.2f}x, " + ratio(row, ref)
+
+
 def table_lines(rows: Sequence[Row], header: bool = True) -> list[str]:
     """Markdown rows for ``rows`` (one layers x layout group), with ratio columns."""
     by_name = {r.config: r for r in rows}
@@ -273,7 +316,8 @@ def table_lines(rows: Sequence[Row], header: bool = True) -> list[str]:
         cells = [str(r.layers), r.layout, f"`{r.config}`", str(r.eqns), str(r.hlo),
                  f"{r.trace:.2f}", f"{r.lower:.2f}", f"{r.compile:.2f}",
                  f"{1e3 * r.step_s:.1f}", str(r.fp8_dots), ratio(r, by_name.get("fp32")),
-                 ratio(r, by_name.get(QWIX)) if fp8_scalify else "-"]  # fmt: skip
+                 ratio(r, by_name.get(QWIX)) if fp8_scalify else "-",
+                 plain_ratio(r, by_name.get(plain_twin(r.config, list(by_name))))]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

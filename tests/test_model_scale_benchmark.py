@@ -45,8 +45,20 @@ def test_table_ratios():
             ("fp32", ms.QWIX, "fp8_scalify")]  # fmt: skip
     rows[2].compile, rows[2].step_s = 1.8, 0.02
     lines = ms.table_lines(rows)
-    assert len(lines) == 5 and lines[-1].endswith("| 2.00x, 2.00x | 2.00x, 2.00x |")
-    assert lines[2].endswith("| - | - |")
+    assert len(lines) == 5 and lines[-1].endswith("| 2.00x, 2.00x | 2.00x, 2.00x | - |")
+    assert lines[2].endswith("| - | - | - |")
+
+
+def test_scalified_rows_are_compared_with_the_plain_program_of_their_data_types():
+    names = ("fp32", "fp16_raw", "fp16", ms.QWIX, "fp16_scalify", ms.POLICY_F32_STORAGE,
+             "fp8_policy_scalify")  # fmt: skip
+    rows = [ms.Row(1, "unrolled", name, 10, 100, 0.1, 0.1, 0.8, 0, 0.01) for name in names]
+    rows[4].hlo, rows[4].compile, rows[4].step_s = 250, 1.8, 0.02  # fp16_scalify
+    rows[5].hlo = 180
+    cells = [line.rstrip(" |").rsplit("| ", 1)[-1] for line in ms.table_lines(rows)[2:]]
+    # fp16_raw stores in float16, as fp8_policy_scalify does, and fp16_scalify does not
+    assert cells == ["-", "-", "-", "-", "2.50x, 2.00x, 2.00x", "1.80x, 1.00x, 1.00x",
+                     "1.00x, 1.00x, 1.00x"]  # fmt: skip
 
 
 def test_unknown_config_is_an_error():
