@@ -31,13 +31,21 @@ VARIANTS = {
     "scalified": js.ScalifyConfig(),
 }
 KERNEL = re.compile(r"= (\([^)]*\)|\S+) (fusion|dot|custom-call)\(")
+ONE_ELEMENT = re.compile(r"\w+\[(1(,1)*)?\](\{[\d,]*\})?")  # f32[], f32[1]{0}
 
 
 def kernel_counts(hlo_text: str) -> tuple[int, int]:
-    """``(kernels, scalar kernels)`` of the entry computation of a compiled HLO module."""
+    """``(kernels, scalar kernels)`` of the entry computation of a compiled HLO module: a
+    scalar kernel computes one element (a 0-d value, or a 1-element array such as a lookup's).
+
+    Example:
+        >>> entry = "ENTRY %a = f32[] fusion() %b = f32[1]{0} fusion() %c = f32[8]{0} fusion()"
+        >>> kernel_counts(entry)
+        (3, 2)
+    """
     entry = hlo_text[hlo_text.index("ENTRY") :]
     shapes = [m.group(1) for m in KERNEL.finditer(entry)]
-    return len(shapes), sum(1 for s in shapes if s.endswith("[]"))
+    return len(shapes), sum(1 for s in shapes if ONE_ELEMENT.fullmatch(s))
 
 
 def measure(dtype, variant: str) -> dict[str, float]:

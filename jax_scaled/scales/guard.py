@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -28,12 +29,13 @@ from jax_scaled.dtypes import compute_dtype
 from jax_scaled.memo import memoized, recorded
 from jax_scaled.pow2.static import (
     EXPONENT_BIAS,
-    EXPONENT_FIELD,
+    MAX_SCALE_EXPONENT,
     MIN_SCALE_EXPONENT,
     static_pow2_bits,
     static_pow2_exponent,
 )
 from jax_scaled.pow2.xla import (
+    binade_lookup,
     computed_apart,
     computed_once,
     computed_once_per_block,
@@ -290,8 +292,8 @@ def guard_factors(
 
     When the largest datum ``2^e`` of ``wide / 2^divisor_exponent`` leaves the band, ``e``
     is moved to the band's target; otherwise, and for data that is all zero or holds an
-    infinity, ``up`` is 1 (the static scale is kept). Worked out on the bits of the largest
-    magnitude, without branches: ``up`` in a small kernel of its own
+    infinity, ``up`` is 1 (the static scale is kept). Looked up by the binade of the largest
+    magnitude (:func:`_up_table`), without branches: ``up`` in a small kernel of its own
     (:func:`~jax_scaled.pow2.xla.computed_once`), and ``down`` divided out of it
     (:func:`~jax_scaled.pow2.xla.reciprocal_power`), which :func:`times_scalar` applies as
     a division of the data by ``up * 2^divisor_exponent`` (that product is what the small
@@ -332,29 +334,35 @@ def _up_factor(
     largest: jax.Array, band: tuple[int, int, int], divisor_exponent: int, times: int = 0
 ) -> jax.Array:
     """The guard's factor ``up`` (times ``2^times``) for data whose largest magnitude is
-    ``largest`` (float32, elementwise for several guards at once)."""
+    ``largest`` (float32, elementwise for several guards at once): a lookup by its binade
+    (:func:`~jax_scaled.pow2.xla.binade_lookup`) in :func:`_up_table`."""
+    table = _up_table(band, divisor_exponent, times)
+    return lax.bitcast_convert_type(binade_lookup(largest, table), jnp.float32)
+
+
+@functools.cache
+def _up_table(band: tuple[int, int, int], divisor_exponent: int, times: int) -> np.ndarray:
+    """The float32 bits of ``up * 2^times`` for each sign and exponent field of the largest
+    magnitude ``2^e`` (512 entries, the sign ignored). When ``e`` leaves the band (shifted by
+    ``divisor_exponent``), ``e`` moves to its target, no lower than ``2^-126`` times it;
+    otherwise, and for zero, subnormal and non-finite magnitudes (the fields 0 and 255),
+    ``up`` is 1.
+
+    Example:
+        >>> [float(np.uint32(b).view(np.float32)) for b in _up_table((-8, 7, 3), 0, 0)[[127, 147]]]
+        [1.0, 131072.0]
+    """
     low, high, target = (e + divisor_exponent for e in band)
-
-    def field(exponent: int, minus: int = 0) -> np.ndarray:  # of 2^e, as uint32 literals
-        return np.full(largest.shape, static_pow2_bits(exponent) - np.uint32(minus))
-
-    exponent_bits = lax.bitwise_and(
-        lax.bitcast_convert_type(largest, jnp.uint32), np.full(largest.shape, EXPONENT_FIELD)
-    )
-    # Below the band but not zero, or above it but finite: two unsigned range tests, where
-    # a field under the range's start wraps around to a huge value.
-    outside = lax.bitwise_or(
-        lax.lt(lax.sub(exponent_bits, np.ones(largest.shape, np.uint32)), field(low, 1)),
-        lax.lt(
-            lax.sub(exponent_bits, field(high)),
-            np.full(largest.shape, EXPONENT_FIELD - static_pow2_bits(high)),
-        ),
-    )
-    # The exponent field moved to the target: the largest datum's (no lower than 2^-126
-    # times the target), or the target's own when nothing moves.
-    centre = lax.select(outside, lax.max(exponent_bits, field(target - 126)), field(target))
-    up_bits = lax.sub(centre, field(target - times - EXPONENT_BIAS))
-    return lax.bitcast_convert_type(up_bits, jnp.float32)
+    fields = np.arange(512) % 256
+    exponents = fields - EXPONENT_BIAS
+    moves = (fields > 0) & (fields < 255) & ((exponents < low) | (exponents >= high))
+    up = np.where(moves, np.maximum(exponents, target - 126), target) - target + times
+    in_range = MIN_SCALE_EXPONENT <= up.min() and up.max() <= MAX_SCALE_EXPONENT
+    if not (in_range and MIN_SCALE_EXPONENT <= low and high <= MAX_SCALE_EXPONENT + 1):
+        raise ValueError(f"the guard band {band} shifted by 2^{divisor_exponent} leaves float32")
+    table = static_pow2_bits(up)
+    table.flags.writeable = False  # shared by every trace
+    return table
 
 
 def guard_factors_together(wides: Sequence[jax.Array], dtype) -> None:
