@@ -1,8 +1,9 @@
-"""Program shapes chosen for XLA's kernel count: bundled output scales, the guard's
-largest-magnitude reduction and its bit-level factors. Values must be exactly those of the
-plain formulation."""
+"""Program shapes chosen for XLA's kernel count: bundled output scales, values computed once
+or together, the power guard's factor. Values must be exactly those of the plain
+formulation (the range guard's own factors: ``test_guard_factors.py``)."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +11,6 @@ import numpy as np
 import optax
 import pytest
 from helpers import HOW, built, compiled_computations, covering, residual_loss
-from hypothesis import given
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 from jax import lax
 
 import jax_scaled as js
@@ -22,10 +20,9 @@ from jax_scaled.pow2.xla import (
     computed_once_per_block,
     computed_together,
     computed_together_as_bits,
-    largest_magnitude,
     stored_once,
 )
-from jax_scaled.scales.guard import guard_band, guard_factors, guarded
+from jax_scaled.scales.guard import guard_band
 
 
 def sgd_step(params, x):
@@ -107,100 +104,6 @@ def test_eager_outputs_are_not_bundled():
     x = js.scaled_array(jnp.ones(2), 1.0)
     out = bundle_scales([js.ScaledArray(x.data, x.scale * 2), js.ScaledArray(x.data, x.scale)], [])
     assert [float(o.scale) for o in out] == [2.0, 1.0]
-
-
-@pytest.mark.parametrize("size", [7, 4096, 5000])
-@given(data=st.data())
-def test_largest_magnitude_is_max_abs(size, data):
-    finite = st.floats(-(2.0**100), 2.0**100, width=32, allow_subnormal=True)
-    x = data.draw(hnp.arrays(np.float32, (size,), elements=finite))
-    assert float(largest_magnitude(jnp.asarray(x))) == float(np.max(np.abs(x)))
-    assert float(jax.jit(largest_magnitude)(jnp.asarray(x.reshape(-1, 1)))) == np.max(np.abs(x))
-
-
-@pytest.mark.parametrize("size", [7, 5000])
-def test_data_with_an_infinity_is_not_shifted(size):
-    x = np.full((size,), 2.0**30, np.float32)
-    target = guard_band(jnp.float16)[2]
-    assert float(guard_factors(jnp.asarray(x), jnp.float16)[1]) == 2.0 ** (30 - target)
-    x[size // 2] = -np.inf
-    assert float(guard_factors(jnp.asarray(x), jnp.float16)[1]) == 1.0
-
-
-@pytest.mark.parametrize("size", [7, 5000])
-def test_nan_gives_no_shift_or_is_ignored(size):
-    """XLA's reductions differ on NaN (the small form propagates it, the large one may skip
-    it): either way the guard stays sane, shifting by the finite data or not at all."""
-    x = np.full((size,), 2.0**30, np.float32)
-    x[size // 2] = np.nan
-    target = guard_band(jnp.float16)[2]
-    up = float(guard_factors(jnp.asarray(x), jnp.float16)[1])
-    assert up in (1.0, 2.0 ** (30 - target))
-
-
-def reference_guard(wide: np.ndarray, dtype, divisor_exponent: int) -> tuple[float, float]:
-    """``(down, up)`` of the range guard, from its definition (float64, no bit tricks)."""
-    low, high, target = guard_band(dtype)
-    neutral = (2.0**-divisor_exponent, 1.0)
-    largest = float(np.max(np.abs(wide.astype(np.float64))))
-    if not np.isfinite(largest) or largest < 2.0**-126:  # overflowed, zero or subnormal
-        return neutral
-    exponent = int(np.floor(np.log2(largest))) - divisor_exponent
-    if low <= exponent < high:
-        return neutral
-    shift = max(exponent - target, -126)
-    return 2.0 ** (-shift - divisor_exponent), 2.0**shift
-
-
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
-@given(data=st.data())
-def test_guard_factors_match_their_definition(dtype, data):
-    """The guard's bit arithmetic (unsigned range tests, clamped exponent fields) against
-    the plain definition, for data anywhere in float32's range, zeros, subnormals and
-    infinities, with a folded power-of-two divisor."""
-    magnitude = data.draw(st.integers(-149, 127))
-    values = st.floats(-(2.0**magnitude), 2.0**magnitude, width=32, allow_nan=False)
-    wide = data.draw(hnp.arrays(np.float32, data.draw(st.integers(1, 40)), elements=values))
-    if data.draw(st.booleans()):
-        wide[0] = data.draw(st.sampled_from([0.0, np.inf, -np.inf, 2.0**-140, 2.0**127]))
-    divisor_exponent = data.draw(st.integers(0, 12))
-    down, up = jax.jit(guard_factors, static_argnums=(1, 2))(wide, dtype, divisor_exponent)
-    assert (float(down), float(up)) == reference_guard(wide, dtype, divisor_exponent)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
-@pytest.mark.parametrize("divisor_exponent", [0, 1, 5, 12])
-def test_guard_factors_at_every_exponent_field(dtype, divisor_exponent):
-    """Every float32 exponent field of the largest datum (zero, subnormals, infinity), with
-    three mantissas, against the plain definition: ``down`` is worked out from ``up`` by a
-    division, exact only while both stay normal."""
-    fields = np.arange(256, dtype=np.uint32)[:, None] << np.uint32(23)
-    mantissas = np.array([0, 1, 0x7FFFFF], np.uint32)
-    largest = (fields | mantissas).reshape(-1).view(np.float32)
-    wide = np.stack([largest, -largest / 4], axis=1)  # the largest magnitude is the first
-    factors = jax.jit(jax.vmap(lambda w: guard_factors(w, dtype, divisor_exponent)))
-    down, up = (np.asarray(f) for f in factors(wide))
-    for row, d, u in zip(wide, down, up, strict=True):
-        assert (float(d), float(u)) == reference_guard(row, dtype, divisor_exponent), row[0]
-
-
-def guarded_and_read_twice(wide: jax.Array, scale: jax.Array) -> tuple[jax.Array, ...]:
-    """Float16 data range-guarded, its data read by two kernels, its scale by two more."""
-    y = guarded(wide, scale, jnp.float16)
-    data = y.data.astype(jnp.float32)
-    return jnp.sin(data), jnp.exp(data).T, y.scale * 3.0, y.scale - 1.0
-
-
-def test_guard_factors_take_one_small_kernel_and_no_reduction_of_their_own():
-    # ``up`` is stored by an exact remainder, which XLA does not copy into its readers, and
-    # ``down`` divided out of it: a variadic reduction carrying both (and the reduction's
-    # region, and two tuple reads per guard) cost the 1-layer GPT's float16 step 4% more.
-    wide, scale = jax.random.normal(jax.random.key(0), (64, 64)), jnp.float32(2.0**-20)
-    lines = [line for body in compiled_computations(guarded_and_read_twice, wide, scale).values()
-             for line in body]  # fmt: skip
-    float_reductions = [line for line in lines if " reduce(" in line and "= pred[]" not in line]
-    assert len(float_reductions) == 1  # the largest magnitude only
-    assert sum(" remainder(" in line for line in lines) == 1
 
 
 def power_guard_reference(data: np.ndarray, y: int) -> int:
@@ -527,3 +430,27 @@ def test_a_shared_sum_is_range_guarded_and_a_single_one_is_not():
     np.testing.assert_array_equal(np.asarray(js.asarray(doubled, jnp.float32)), 2 * exact)
     np.testing.assert_array_equal(np.asarray(js.asarray(magnitude, jnp.float32)), np.abs(exact))
     assert np.max(np.abs(np.asarray(js.asarray(single, jnp.float32)) - exact)) > 1e-3
+
+
+def stacked(xs: jax.Array, w: jax.Array) -> jax.Array:
+    """A scan's stacked float16 contractions: a scale per row under scalify."""
+    return lax.scan(lambda carry, x: (carry, x @ w), 0.0, xs)[1]
+
+
+def stacked_and_read_twice(xs: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    ys = stacked(xs, w)
+    return jnp.sin(ys), jnp.exp(ys).T
+
+
+def test_a_scan_s_rows_are_brought_to_one_scale_by_ratios_computed_once():
+    # The rows' exponent arithmetic was copied into each kernel reading the stacked data: the
+    # stacked gradients of a scanned GPT, 23 instructions a parameter leaf.
+    keys = jax.random.split(jax.random.key(0))
+    xs = js.as_scaled_array(jax.random.normal(keys[0], (4, 8, 16)).astype(jnp.float16))
+    w = js.as_scaled_array(jax.random.normal(keys[1], (16, 16)).astype(jnp.float16))
+    bodies = compiled_computations(js.scalify(stacked_and_read_twice), xs, w).values()
+    row_arithmetic = [b for b in bodies if any(re.search(r"= [su]32\[4\]", line) for line in b)]
+    assert len(row_arithmetic) == 1
+    ys = js.asarray(js.scalify(stacked)(xs, w), jnp.float32)  # one rounding to float16
+    reference = stacked(*js.asarray((xs, w), jnp.float32))
+    np.testing.assert_allclose(ys, reference, rtol=2.0**-11, atol=2.0**-24)
