@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import HOW, built, compiled_computations, covering, residual_loss
+from helpers import HOW, built, compiled_computations, covering, random_data, residual_loss
 from jax import lax
 
 import jax_scaled as js
@@ -454,3 +454,18 @@ def test_a_scan_s_rows_are_brought_to_one_scale_by_ratios_computed_once():
     ys = js.asarray(js.scalify(stacked)(xs, w), jnp.float32)  # one rounding to float16
     reference = stacked(*js.asarray((xs, w), jnp.float32))
     np.testing.assert_allclose(ys, reference, rtol=2.0**-11, atol=2.0**-24)
+
+
+@pytest.mark.parametrize(("how", "exponent"), covering(HOW, [-20, 20]))
+def test_a_scan_s_stacked_rows_keep_their_values_however_built(how, exponent):
+    """The stacked float16 contractions of a scan (64k elements, a scale per row brought to
+    the largest) for inputs built every way the API allows, at ``2^-20`` and ``2^20``: each
+    element within two float16 roundings (the row's and the common scale's) of float32."""
+    values = jnp.asarray(random_data(7, (4, 128, 128), jnp.float32))
+    xs = built(how, values * jnp.arange(1.0, 5.0)[:, None, None], jnp.float16, 2.0**exponent)
+    w = js.as_scaled_array(jnp.asarray(random_data(8, (128, 128), jnp.float16)) / 16)
+    ys = js.scalify(stacked)(xs, w)
+    got = np.asarray(js.asarray(ys, jnp.float32), np.float64)
+    want = np.asarray(stacked(*js.asarray((xs, w), jnp.float32)), np.float64)
+    spacing = 2.0**-24 * float(ys.scale)  # float16's smallest step at the common scale
+    assert np.all(np.abs(got - want) <= 2.0**-10 * np.abs(want) + spacing)

@@ -88,12 +88,10 @@ def test_guard_factors_match_their_definition(dtype, data):
 @pytest.mark.parametrize("dtype", NARROW)
 @pytest.mark.parametrize("divisor_exponent", [0, 1, 5, 12])
 def test_guard_factors_at_every_exponent_field(dtype, divisor_exponent):
-    """Every float32 exponent field of the largest datum (zero, subnormals, infinity), with
-    three mantissas, against the plain definition: ``down`` is worked out from ``up`` by a
+    """Every float32 sign and exponent field of the largest datum (zeros, subnormals,
+    infinities, NaNs), against the plain definition: ``down`` is worked out from ``up`` by a
     division, exact only while both stay normal."""
-    fields = np.arange(256, dtype=np.uint32)[:, None] << np.uint32(23)
-    mantissas = np.array([0, 1, 0x7FFFFF], np.uint32)
-    largest = (fields | mantissas).reshape(-1).view(np.float32)
+    largest = every_exponent_field()
     wide = np.stack([largest, -largest / 4], axis=1)  # the largest magnitude is the first
     factors = jax.jit(jax.vmap(lambda w: guard_factors(w, dtype, divisor_exponent)))
     down, up = (np.asarray(f) for f in factors(wide))
