@@ -284,6 +284,28 @@ def test_per_step_scales_reach_a_consuming_scan_unrounded():
     assert_close(out, reference64(fn, x, w), jnp.float16, ulps=2)  # elementwise, every row
 
 
+@pytest.mark.parametrize(
+    "exponents",
+    [(127, 126, 0, -126), (-126, -126, -125, -126), (127, 127, 127, 127), (3, 127, -60, 0)],
+)
+def test_stacked_rows_are_unified_exactly_at_the_ends_of_the_scale_range(exponents):
+    """Rows of float16 data at scales from ``2^-126`` to ``2^127`` (the second row all
+    zero) brought to the largest scale of a non-zero row: each element is its exact value
+    at that scale rounded once to float16. A division of the scales that XLA turns into a
+    product by the reciprocal loses every row under a common scale of ``2^127``, whose
+    reciprocal is below float32's normal range."""
+    data = np.asarray(np.random.default_rng(5).standard_normal((4, 512)), np.float16)
+    data[1] = 0
+    scales = np.exp2(np.asarray(exponents, np.float32))
+    unify = jax.jit(lambda d, s: control_flow._unify_rows((d, s)).value)
+    out = unify(data, scales)
+    nonzero = np.any(data != 0, axis=1)
+    common = np.max(scales[nonzero]) if nonzero.any() else np.max(scales)
+    assert float(out.scale) == common
+    exact = data.astype(np.float64) * (scales.astype(np.float64) / common)[:, None]
+    np.testing.assert_array_equal(np.asarray(out.data), exact.astype(np.float16))
+
+
 def _scan_eqns(jaxpr) -> list:
     found = []
     for eqn in jaxpr.eqns:
