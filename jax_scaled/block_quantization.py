@@ -30,12 +30,16 @@ _SIGN_BIT = np.int32(-(2**31))
 _MANTISSA_BITS_IN_FIELD = np.int32(MANTISSA_BITS << MANTISSA_BITS)  # 2^-23 as an exponent shift
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def quantize_value(
-    value: jax.Array, fmt: BlockFormat, block_shape: tuple[int, ...] | None
+    value: jax.Array,
+    fmt: BlockFormat,
+    block_shape: tuple[int, ...] | None,
+    exact_subnormals: bool = True,
 ) -> ScaledArray:
     """``value`` (float32) quantized to ``fmt`` in blocks of ``block_shape`` (None: one
-    scale for the tensor), as :func:`~jax_scaled.quantize.quantize` describes.
+    scale for the tensor), as :func:`~jax_scaled.quantize.quantize` describes (and its
+    ``exact_subnormals``).
 
     Example:
         >>> fmt = js.formats.BlockFormat("E4M3", jnp.float8_e4m3fn, 2, scale_rounding="rceil")
@@ -48,7 +52,8 @@ def quantize_value(
     scale = lax.stop_gradient(block_scales(value, fmt, block_shape))
     if scale.ndim:  # the kernel writing the elements reads them, not the blocks' maxima
         scale = computed_once_per_block(scale)
-    data = _to_elements(value, scale, fmt.element_dtype, fmt.scale_rounding == "rceil")
+    in_range = fmt.scale_rounding == "rceil"
+    data = _to_elements(value, scale, fmt.element_dtype, in_range, exact_subnormals)
     return ScaledArray._trusted(data, scale.astype(fmt.scale_dtype))
 
 
@@ -114,21 +119,25 @@ def _block_amax(value: jax.Array, block_shape: tuple[int, ...] | None) -> jax.Ar
     return jnp.max(magnitude.reshape(interleaved), axis=block_axes)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
 def _to_elements(
-    value: jax.Array, scale: jax.Array, element_dtype: np.dtype, in_range: bool
+    value: jax.Array,
+    scale: jax.Array,
+    element_dtype: np.dtype,
+    in_range: bool,
+    exact_subnormals: bool = True,
 ) -> jax.Array:
     """``value / scale`` (block scales) rounded to the element format, saturating.
     ``in_range``: the scales are ``rceil``'s, under which no finite quotient passes the
     format's largest value, so that only the cast is left of the rounding (where the format
-    is its own storage dtype)."""
-    quotient = _divide(value, scale)
+    is its own storage dtype). ``exact_subnormals``: see :func:`_divide`."""
+    quotient = _divide(value, scale, exact_subnormals)
     if in_range and storage_dtype(element_dtype) == np.dtype(element_dtype):
         return quotient.astype(element_dtype)
     return round_to_format(quotient, element_dtype)
 
 
-def _divide(x: jax.Array, scale: jax.Array) -> jax.Array:
+def _divide(x: jax.Array, scale: jax.Array, exact_subnormals: bool = True) -> jax.Array:
     """``x / scale`` for float32 ``x`` and the block scales of :func:`block_scales`, powers of
     two in ``[2^-126, 2^126]`` (a format's top is at least 4, and no amax reaches 2^128).
 
@@ -138,7 +147,16 @@ def _divide(x: jax.Array, scale: jax.Array) -> jax.Array:
     normal range is flushed where the platform flushes subnormals: below the smallest value
     of every 8- and 16-bit format but bfloat16. Both factors are worked out per block,
     before they are expanded onto the elements.
+
+    ``exact_subnormals=False`` keeps the product alone (a third of the instructions of the
+    kernel writing the elements): a float32-subnormal ``x`` then counts as the platform's
+    float arithmetic counts it, zero where it flushes subnormals, exact elsewhere. That is
+    the same quotient for an ``x`` that this program's float arithmetic computed, which a
+    flushing platform never leaves subnormal.
     """
+    quotient = x * expand_scale(pow2_reciprocal(scale), x.shape)
+    if not exact_subnormals:
+        return quotient
     bits = lax.bitcast_convert_type(x, jnp.int32)
     subnormal = lax.eq(lax.bitwise_and(bits, _EXPONENT_FIELD), np.int32(0))  # zeros too
     mantissa = lax.convert_element_type(lax.bitwise_and(bits, _MANTISSA_FIELD), jnp.float32)
@@ -148,7 +166,7 @@ def _divide(x: jax.Array, scale: jax.Array) -> jax.Array:
     raised = lax.bitwise_or(lax.max(unit, np.int32(0)), lax.bitwise_and(bits, _SIGN_BIT))
     below_normal = expand_scale(_below_normal_factor(scale), x.shape)
     from_subnormal = lax.mul(lax.bitcast_convert_type(raised, jnp.float32), below_normal)
-    return lax.select(subnormal, from_subnormal, x * expand_scale(pow2_reciprocal(scale), x.shape))
+    return lax.select(subnormal, from_subnormal, quotient)
 
 
 def _below_normal_factor(scale: jax.Array) -> jax.Array:
@@ -161,10 +179,12 @@ def _below_normal_factor(scale: jax.Array) -> jax.Array:
 
 
 @_to_elements.defjvp
-def _to_elements_jvp(element_dtype: np.dtype, in_range: bool, primals, tangents):
+def _to_elements_jvp(
+    element_dtype: np.dtype, in_range: bool, exact_subnormals: bool, primals, tangents
+):
     """Straight-through: the tangent is divided by the scale, neither rounded nor clipped."""
     (value, scale), (tangent, _) = primals, tangents
-    out = _to_elements(value, scale, element_dtype, in_range)
+    out = _to_elements(value, scale, element_dtype, in_range, exact_subnormals)
     return out, (tangent / expand_scale(scale, value.shape)).astype(out.dtype)
 
 

@@ -2,6 +2,7 @@
 gradients, ten updates of each optimizer of the training zoo with default hyperparameters
 (DESIGN.md, invariant 6). The reference is float32 optax on the same float16 gradients."""
 
+import re
 import warnings
 
 import jax
@@ -9,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import compiled_computations
 
 import jax_scaled as js
+from jax_scaled.optim._storage import stored_tree
 
 SHAPE, STEPS = (512, 64), 10
 EPS16 = float(jnp.finfo(jnp.float16).eps)
@@ -91,3 +94,43 @@ def test_casting_optax_state_to_float16_warns_and_names_the_leaves():
     with warnings.catch_warnings():
         warnings.simplefilter("error", js.tree.OptimizerStateWarning)
         js.tree.astype(js.as_scaled_array(state), jnp.bfloat16)  # float32's range: no warning
+
+
+@pytest.mark.parametrize("exponent", [-70, -20, 0, 20])
+@pytest.mark.parametrize("kind", ["gaussian", "student_t"])
+def test_block_stored_state_is_the_exact_division_of_the_update(kind, exponent):
+    """js.optim stores an update's new state without the exact division of float32
+    subnormals (``js.quantize(exact_subnormals=False)``): the update's float32 arithmetic
+    leaves none where the platform flushes them. Adam's state of 32k-element float16
+    gradients at ``2^exponent`` (at 2^-70 the squares fall below float32's normal range),
+    stored both ways from the same values in one program, over the steps: bit for bit."""
+    inner = optax.adam(1e-3)
+
+    def stored_both_ways(grads, state):
+        _, new_state = inner.update(js.stop_scaling(grads, jnp.float32), state)
+        return [stored_tree(new_state, jnp.float16, None, 32, None, exact) for exact in (1, 0)]
+
+    store = jax.jit(js.scalify(stored_both_ways))
+    state = inner.init(jnp.zeros(SHAPE))
+    for g in float16_gradients(kind)[:3]:
+        exact, fast = store(js.scaled_array(g / jnp.max(jnp.abs(g)), 2.0**exponent), state)
+        for a, b in zip(jax.tree.leaves(exact), jax.tree.leaves(fast), strict=True):
+            np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+        state = js.asarray(exact, jnp.float32)
+
+
+def bytes_of(x: jax.Array) -> np.ndarray:
+    return np.asarray(x).reshape(-1).view(np.uint8)
+
+
+def test_block_stored_state_is_written_without_integer_work_on_its_elements():
+    """The kernels writing Adam's new float16 state in blocks (32k elements) divide by the
+    blocks' reciprocals only: none of the exact subnormal path's integer operations on the
+    elements' bits (26 instructions of the state's shape before)."""
+    opt = js.optim.scaled_state(optax.adam(1e-3))
+    weight = jnp.zeros(SHAPE)
+    grads = js.as_scaled_array(jnp.ones(SHAPE, jnp.float16))
+    args = (grads, opt.init(weight), js.as_scaled_array(weight))
+    bodies = compiled_computations(js.scalify(opt.update), *args).values()
+    shape = re.escape(f"s32[{','.join(map(str, SHAPE))}]")
+    assert not any(re.search(f"= {shape}", line) for body in bodies for line in body)

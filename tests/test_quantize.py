@@ -3,6 +3,7 @@ straight-through gradients, E8M0 scales, presets, and quantize under jit, vmap a
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -185,18 +186,25 @@ def test_narrow_inputs_are_quantized_from_their_value(dtype):
     assert_matches_reference(q, x.astype(np.float32), jnp.float8_e4m3fn, (1, 32), "floor")
 
 
+def every_exponent_field_by_every_scale() -> tuple[np.ndarray, np.ndarray]:
+    """``(x, scale)``: float32 ``x`` of every exponent field (zeros, subnormals, infinities
+    and NaNs included) at four mantissas and both signs, broadcast against every block
+    scale ``2^k`` that :func:`block_scales` can give."""
+    fields = np.arange(256, dtype=np.uint32) << np.uint32(23)
+    mantissas = np.array([0, 1, 0x400000, 0x7FFFFF], np.uint32)
+    signs = np.array([0, 1 << 31], np.uint32)
+    bits = (signs[:, None, None] | fields[None, :, None] | mantissas[None, None, :]).ravel()
+    x = np.broadcast_to(bits.view(np.float32), (253, bits.size))
+    return x, np.exp2(np.arange(-126, 127, dtype=np.float32))[:, None]
+
+
 def test_division_by_block_scales_is_exact_at_every_exponent_field():
     """The division inside quantize, ``x / 2^k``, for every float32 exponent field of ``x``
     (zeros, subnormals, infinities and NaNs included) at four mantissas and both signs, and
     every block scale ``2^k`` that :func:`block_scales` can give: the float64 quotient; one
     below float32's normal range may also be flushed to zero of its sign (XLA's CPU backend
     flushes subnormal results)."""
-    fields = np.arange(256, dtype=np.uint32) << np.uint32(23)
-    mantissas = np.array([0, 1, 0x400000, 0x7FFFFF], np.uint32)
-    signs = np.array([0, 1 << 31], np.uint32)
-    bits = (signs[:, None, None] | fields[None, :, None] | mantissas[None, None, :]).ravel()
-    x = np.broadcast_to(bits.view(np.float32), (253, bits.size))
-    scale = np.exp2(np.arange(-126, 127, dtype=np.float32))[:, None]
+    x, scale = every_exponent_field_by_every_scale()
     got = np.asarray(jax.jit(_divide)(x, scale))
     quotient = x.astype(np.float64) / scale.astype(np.float64)
     expected = quotient.astype(np.float32)
@@ -206,6 +214,58 @@ def test_division_by_block_scales_is_exact_at_every_exponent_field():
     flushed = (got == 0) & (np.signbit(got) == np.signbit(quotient))
     below_normal = np.abs(quotient) < 2.0**-126
     assert np.all(nan | exact | (below_normal & flushed))
+
+
+def as_the_platform_reads(x: np.ndarray) -> np.ndarray:
+    """``x`` as this platform's float arithmetic reads it: a product by 1 that XLA cannot
+    fold (float32 subnormals become zeros of their sign where it flushes them)."""
+    return np.asarray(jax.jit(jnp.multiply)(x, np.ones_like(x)))
+
+
+def test_division_without_exact_subnormals_differs_only_on_subnormals():
+    """``exact_subnormals=False`` on the grid of the exact division's test: bit for bit the
+    exact quotient wherever ``x`` is not a float32 subnormal; a subnormal gives the product
+    the platform computes (a zero of its sign on XLA's CPU backend)."""
+    x, scale = every_exponent_field_by_every_scale()
+    fast = np.asarray(jax.jit(functools.partial(_divide, exact_subnormals=False))(x, scale))
+    exact = np.asarray(jax.jit(_divide)(x, scale))
+    bits = x.view(np.uint32)
+    subnormal = (bits & 0x7F800000 == 0) & (bits & 0x7FFFFF != 0)
+    product = np.asarray(jax.jit(jnp.multiply)(x, np.float32(1) / scale))
+    expected = np.where(subnormal, product, exact)
+    np.testing.assert_array_equal(fast.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("layout", ["per-tensor", "1x32", "32x1"])
+@pytest.mark.parametrize("dtype", [*ELEMENTS, jnp.float16], ids=str)
+@given(x=block_structured())
+def test_quantize_without_exact_subnormals_is_quantize_of_what_the_platform_reads(dtype, layout, x):
+    """Data with float32-subnormal tiles among Gaussian, zero, tiny and spread ones: the
+    result of ``exact_subnormals=False`` is, bit for bit, the exact quantization of ``x`` as
+    the platform's arithmetic reads it; of a value without subnormals, the exact one."""
+    blocks, rounding = LAYOUTS[layout], "rceil"
+    fast = js.quantize(x, dtype, block_shape=blocks, scale_rounding=rounding,
+                       exact_subnormals=False)  # fmt: skip
+    read = as_the_platform_reads(x)
+    exact = js.quantize(read, dtype, block_shape=blocks, scale_rounding=rounding)
+    np.testing.assert_array_equal(np.asarray(fast.data).view(np.uint8),
+                                  np.asarray(exact.data).view(np.uint8))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(fast.scale), np.asarray(exact.scale))
+
+
+def test_quantize_without_exact_subnormals_drops_the_subnormal_arithmetic():
+    """The kernel writing the elements keeps the product by the block's reciprocal and
+    nothing of the exact path's integer work on the elements' bits (about a third of it)."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(SHAPE), jnp.float32)
+
+    def element_bit_work(exact: bool) -> int:
+        fn = functools.partial(js.quantize, dtype=jnp.float16, block_shape=(1, 32),
+                               scale_rounding="rceil", exact_subnormals=exact)  # fmt: skip
+        bodies = compiled_computations(fn, x).values()
+        return sum(bool(re.search(r"= s32\[128,256\]", line)) for b in bodies for line in b)
+
+    assert element_bit_work(True) > 0
+    assert element_bit_work(False) == 0
 
 
 # -- scale roundings, zeros and non-finite values ---------------------------------------------

@@ -209,6 +209,7 @@ def stored(
     rescale: str | None,
     block_size: int | None = None,
     scale_dtype: DTypeLike | None = None,
+    exact_subnormals: bool = True,
 ) -> jax.Array:
     """A floating leaf as it is stored between steps (traced under scalify).
 
@@ -220,6 +221,8 @@ def stored(
     (no ``inf``/``NaN`` from an overflowing cast), cast to ``dtype``. Scalars keep at least
     float32 data: they are hyperparameters (schedule-free's ``b1``, injected learning rates)
     or moments of scalar parameters, precision-sensitive and small.
+    ``exact_subnormals=False``: ``x`` comes from an update's float32 arithmetic, which leaves
+    no subnormal where the platform flushes them (``js.quantize``'s argument).
     """
     if jnp.ndim(x) == 0:  # a hyperparameter or a scalar's moment: costs nothing in float32
         dtype = wider_dtype(dtype, jnp.float32)
@@ -228,7 +231,12 @@ def stored(
     blocks = storage_blocks(jnp.shape(x), block_size)
     if blocks is not None:
         return quantize(
-            x, dtype, block_shape=blocks, scale_rounding="rceil", scale_dtype=scale_dtype
+            x,
+            dtype,
+            block_shape=blocks,
+            scale_rounding="rceil",
+            scale_dtype=scale_dtype,
+            exact_subnormals=exact_subnormals,
         )
     return saturate(centred(x, rescale, scale_dtype), dtype).astype(dtype)
 
@@ -239,11 +247,14 @@ def stored_tree(
     rescale: str | None,
     block_size: int | None = None,
     scale_dtype: DTypeLike | None = None,
+    exact_subnormals: bool = True,
 ) -> Any:
     """:func:`stored` applied to every floating leaf of ``tree``; other leaves unchanged."""
 
     def store(x: Any) -> Any:
-        return stored(x, dtype, rescale, block_size, scale_dtype) if is_float(x) else x
+        if not is_float(x):
+            return x
+        return stored(x, dtype, rescale, block_size, scale_dtype, exact_subnormals)
 
     return tree_map(store, tree)
 

@@ -148,7 +148,11 @@ def scaled_state(
             # wide parameters keep that computation in compute_dtype as well.
             params = tree_map(lambda p: _widened(p, compute_dtype), params)
             updates, new_state = inner.update(grads, state, params, **extra_args)
-        return updates, stored_tree(new_state, dtype, rescale, block_size, scale_dtype)
+        # The new state is the update's float32 arithmetic: no subnormal where it flushes.
+        new_state = stored_tree(
+            new_state, dtype, rescale, block_size, scale_dtype, exact_subnormals=False
+        )
+        return updates, new_state
 
     def update(grads, state, params=None, **extra_args):
         updates, new_state = call_scaled(traced_update, grads, state, params, extra_args)
