@@ -148,11 +148,11 @@ def _divide(x: jax.Array, scale: jax.Array, exact_subnormals: bool = True) -> ja
     of every 8- and 16-bit format but bfloat16. Both factors are worked out per block,
     before they are expanded onto the elements.
 
-    ``exact_subnormals=False`` keeps the product alone (a third of the instructions of the
-    kernel writing the elements): a float32-subnormal ``x`` then counts as the platform's
-    float arithmetic counts it, zero where it flushes subnormals, exact elsewhere. That is
-    the same quotient for an ``x`` that this program's float arithmetic computed, which a
-    flushing platform never leaves subnormal.
+    ``exact_subnormals=False`` keeps the product alone (the kernel writing an Adam moment's
+    float16 blocks: 14 instructions instead of 43): a float32-subnormal ``x`` then counts as
+    the platform's float arithmetic counts it, zero where it flushes subnormals, exact
+    elsewhere. That is the same quotient for an ``x`` that this program's float arithmetic
+    computed, which a flushing platform never leaves subnormal.
     """
     quotient = x * expand_scale(pow2_reciprocal(scale), x.shape)
     if not exact_subnormals:

@@ -110,8 +110,8 @@ def quantize(
         exact_subnormals: True (default): float32-subnormal values of ``x`` are divided by
             their scale exactly, even where the platform's float arithmetic flushes them
             (XLA's CPU backend). False: they count as that arithmetic counts them (zero
-            where it flushes, exact elsewhere), which saves a third of the instructions of
-            the kernel writing the elements. The result is the same for an ``x`` computed
+            where it flushes, exact elsewhere), which saves two thirds of the instructions
+            of the kernel writing the elements. The result is the same for an ``x`` computed
             by float arithmetic in the same program, which a flushing platform never leaves
             subnormal: js.optim stores its updated state this way.
 

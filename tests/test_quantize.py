@@ -255,7 +255,7 @@ def test_quantize_without_exact_subnormals_is_quantize_of_what_the_platform_read
 
 def test_quantize_without_exact_subnormals_drops_the_subnormal_arithmetic():
     """The kernel writing the elements keeps the product by the block's reciprocal and
-    nothing of the exact path's integer work on the elements' bits (about a third of it)."""
+    nothing of the exact path's integer work on the elements' bits."""
     x = jnp.asarray(np.random.default_rng(3).standard_normal(SHAPE), jnp.float32)
 
     def element_bit_work(exact: bool) -> int:
