@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import compiled_computations
+from helpers import HOW, built, compiled_computations, covering, random_data
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import jax_scaled as js
 from jax_scaled.array import expand_scale
-from jax_scaled.block_quantization import _divide
+from jax_scaled.block_quantization import _divide, quantize_value
 from jax_scaled.formats import storage_dtype
 from jax_scaled.quantize import tracing_for_scalify
 from jax_scaled.scales import centre_exponent
@@ -266,6 +266,50 @@ def test_quantize_without_exact_subnormals_drops_the_subnormal_arithmetic():
 
     assert element_bit_work(True) > 0
     assert element_bit_work(False) == 0
+
+
+SCALED_INPUTS = covering(HOW, [(jnp.float32, -140), (jnp.bfloat16, -20), (jnp.float16, 20)])
+
+
+@pytest.mark.parametrize(("how", "dtype", "exponent"), SCALED_INPUTS)
+@pytest.mark.parametrize("fmt", [js.formats.MXFP8_E4M3, js.formats.FP8_E4M3_BLOCK128])
+def test_a_scaled_array_is_quantized_as_the_exact_division_of_its_value(fmt, how, dtype, exponent):
+    """A ScaledArray (64k elements, built every way the API allows, its values at
+    ``2^exponent``: at ``2^-140`` float32-subnormal) quantized from its float32 value, with
+    and without scalify: bit for bit the exact division of that value. Its value is the
+    product ``data * scale``, which the platform's arithmetic leaves without subnormals
+    where it flushes them (or data whose subnormals are float32 normals), so the division
+    skips the exact path for subnormals."""
+    values = jnp.asarray(random_data(11, (256, 256), jnp.float32))
+    x = built(how, values, dtype, 2.0**exponent)
+    blocks = (1, fmt.block_size)
+    exact = quantize_value(x.to_array(jnp.float32), fmt, blocks, True)
+    for got in (js.quantize(x, fmt), jax.jit(js.scalify(lambda x: js.quantize(x, fmt)))(x)):
+        assert got.block_shape == blocks
+        np.testing.assert_array_equal(np.asarray(got.data).view(np.uint8),
+                                      np.asarray(exact.data).view(np.uint8))  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(exact.scale))
+
+
+def test_float32_data_at_a_static_scale_of_one_keeps_its_subnormals_exactly():
+    """A ScaledArray whose scale is a trace-time 1 has its float32 data as its value, with no
+    product to flush a subnormal: those are divided exactly (non-zero float16 elements)."""
+    tiny = np.asarray(random_data(12, (8, 64), jnp.float32) * 2.0**-135, np.float32)
+    q = js.quantize(js.ScaledArray(jnp.asarray(tiny), np.float32(1)), jnp.float16,
+                    block_shape=(1, 32), scale_rounding="rceil")  # fmt: skip
+    assert_matches_reference(q, tiny, jnp.float16, (1, 32), "rceil", top=float(np.nextafter(
+        np.float32(2.0 ** (centre_exponent(jnp.float16) + 1)), np.float32(0))))  # fmt: skip
+    assert np.count_nonzero(np.asarray(q.data)) > 0.9 * tiny.size
+
+
+def test_a_scaled_operand_s_quantization_drops_the_subnormal_arithmetic():
+    """Under scalify, an MX contraction's operands (ScaledArrays: activations, weights,
+    gradients) are quantized without the exact path's integer work on their elements."""
+    x = js.as_scaled_array(jnp.asarray(random_data(13, (128, 256), jnp.float16)))
+    w = js.as_scaled_array(jnp.asarray(random_data(14, (256, 128), jnp.float16)))
+    loss = js.scalify(jax.grad(lambda x, w: jnp.sum(js.nn.linear(x, w, block=js.nn.MXFP8))))
+    bodies = compiled_computations(loss, x, w).values()
+    assert not any(re.search(r"= s32\[(128,256|256,128)\]", line) for b in bodies for line in b)
 
 
 # -- scale roundings, zeros and non-finite values ---------------------------------------------
