@@ -176,8 +176,10 @@ def _value_of(x: ScaledArray, exact_subnormals: bool) -> tuple[jax.Array, bool]:
     the product by the block's reciprocal is exact) or the data's own subnormals are
     float32 normals (float16, float8): the same bits, with two thirds fewer instructions
     where the elements are written."""
-    narrow = jnp.finfo(x.dtype).smallest_subnormal >= jnp.finfo(jnp.float32).smallest_normal
-    multiplied = not is_static_one(x.scale)
+    info = jnp.finfo(x.dtype)
+    narrow = info.smallest_subnormal >= jnp.finfo(jnp.float32).smallest_normal
+    # Wider data (float64) is multiplied in its own dtype, then rounded to float32.
+    multiplied = not is_static_one(x.scale) and info.bits <= 32
     return x.to_array(jnp.float32), exact_subnormals and not (narrow or multiplied)
 
 
