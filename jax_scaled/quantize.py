@@ -115,8 +115,9 @@ def quantize(
             of the kernel writing the elements. The result is the same for an ``x`` computed
             by float arithmetic in the same program, which a flushing platform never leaves
             subnormal: js.optim stores its updated state this way. A ScaledArray's value
-            is such a product (``data * scale``) unless its scale is a trace-time 1 on
-            float32 or bfloat16 data, so it is quantized without the exact path either way.
+            is such a product (``data * scale``), so it is quantized without the exact
+            path either way, unless its scale is a trace-time 1 on bfloat16 data or data of
+            float32 or wider.
 
     Returns:
         A ScaledArray of ``x``'s shape: data in the element format (float6 in a
@@ -165,7 +166,7 @@ def quantize(
         value, exact = _value_of(x, exact)
         return quantize_value(value, fmt, blocks, exact)
     if in_scalify_trace():
-        return quantize_p.bind(jnp.asarray(x), **_params(fmt, blocks), exact_subnormals=exact)
+        return quantize_p.bind(jnp.asarray(x), **_params(fmt, blocks, exact))
     return quantize_value(stop_scaling(jnp.asarray(x), jnp.float32), fmt, blocks, exact)
 
 
@@ -257,13 +258,16 @@ def _named_format(name: str) -> BlockFormat | np.dtype:
         ) from None
 
 
-def _params(fmt: BlockFormat, block_shape: tuple[int, ...] | None) -> dict[str, Any]:
+def _params(
+    fmt: BlockFormat, block_shape: tuple[int, ...] | None, exact_subnormals: bool
+) -> dict[str, Any]:
     """The parameters of the ``quantize`` primitive."""
     return {
         "element_dtype": fmt.element_dtype,
         "block_shape": block_shape,
         "scale_rounding": fmt.scale_rounding,
         "scale_dtype": fmt.scale_dtype,
+        "exact_subnormals": exact_subnormals,
     }
 
 
