@@ -589,3 +589,21 @@ def test_float32_carry_of_a_polynomial_iteration_stays_in_range():
     x = jax.random.normal(jax.random.key(0), (4, 8))
     out = check_invariance(orthogonalize, x)
     assert np.abs(np.log2(np.max(np.abs(np.asarray(out.data))))) <= 8
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+@pytest.mark.parametrize("exponent", EXPONENTS)
+def test_bfloat16_and_float64_carries_are_recentred_like_float32(exponent, dtype):
+    """A bfloat16 or float64 carry has float32's exponent range or more, so it is re-centred
+    like a float32 one; its guard looks up the binade of its largest datum as float32 (the
+    bfloat16 or float64 bits did not fit the lookup). A carry multiplied by data 2 at scale
+    ``2^4`` for 12 steps from ``2^exponent`` (its data would grow by ``2^12``) leaves with its
+    data within ``2^+-8`` of 1 and its value exact."""
+    with jax.enable_x64(dtype == "float64"):
+        x = js.ScaledArray(normal(75, (4096,)).astype(dtype), jnp.float32(2.0**exponent))
+        w = js.ScaledArray(jnp.full((), 2.0, dtype), jnp.float32(2.0**4))
+        fn = lambda x, w: lax.scan(lambda c, _: (c * w, None), x, None, length=12)[0]  # noqa: E731
+        out = jax.jit(js.scalify(fn))(x, w)
+        assert out.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(value64(out), reference64(fn, x, w))
+        assert np.abs(np.log2(np.max(np.abs(np.asarray(out.data, np.float64))))) <= 8

@@ -178,8 +178,8 @@ def carry_band(dtype) -> tuple[int, int, int] | None:
 
 
 def recentred_carry(x: ScaledArray) -> ScaledArray:
-    """A loop carry with its float32 data brought back near unit scale when its largest
-    datum left :func:`carry_band` (the same value: the shift moves into the scale).
+    """A loop carry with its float32 (or bfloat16) data brought back near unit scale when its
+    largest datum left :func:`carry_band` (the same value: the shift moves into the scale).
 
     Example:
         >>> x = recentred_carry(ScaledArray(jnp.array([2.0**40, 1.0]), jnp.float32(1.0)))
@@ -189,8 +189,9 @@ def recentred_carry(x: ScaledArray) -> ScaledArray:
     band = carry_band(x.data.dtype)
     if band is None or x.data.size == 0:
         return x
-    down, up = guard_factors(x.data, x.data.dtype, band=band)
-    data = lax.convert_element_type(times_scalar(x.data, down), x.data.dtype)
+    wide = lax.convert_element_type(x.data, compute_dtype(x.data.dtype))  # bfloat16: float32
+    down, up = guard_factors(wide, x.data.dtype, band=band)
+    data = lax.convert_element_type(times_scalar(wide, down), x.data.dtype)
     return ScaledArray(data, make_scale(scale_mul(scale_f32(x), up), x))
 
 
@@ -337,6 +338,7 @@ def _up_factor(
     ``largest`` (float32, elementwise for several guards at once): a lookup by its binade
     (:func:`~jax_scaled.pow2.xla.binade_lookup`) in :func:`_up_table`."""
     table = _up_table(band, divisor_exponent, times)
+    largest = lax.convert_element_type(largest, jnp.float32)  # float64 data: its binade's bits
     return lax.bitcast_convert_type(binade_lookup(largest, table), jnp.float32)
 
 
