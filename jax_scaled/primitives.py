@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
-from jax_scaled.engine.registry import register_block_rule, register_scale_rule
+from jax_scaled.engine.registry import Property, register_block_rule, register_scale_rule
 from jax_scaled.pow2.traced import pow2_round
 from jax_scaled.scales import as_scaled, make_scale, rescale, safe_ratio, scale_f32
 
@@ -144,7 +144,7 @@ def _get_data_and_scale_rule(x):
 
 # Block scales are repeated onto the data's grid: one exact multiplication per element.
 @register_block_rule(stop_scaling_p, behaviour="consumes")
-@register_scale_rule(stop_scaling_p)
+@register_scale_rule(stop_scaling_p, properties=Property.READS_FINER_SCALES)
 def _stop_scaling_rule(x, *, dtype):
     return as_scaled(x).to_array(dtype)
 

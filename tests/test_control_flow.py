@@ -20,6 +20,7 @@ from jax_scaled.rules.higher_order import control_flow
 
 RTOL = 1e-5
 EXPONENTS = [-20, 20]
+MODEL_EXPONENTS = [-20, 0, 20]
 T, N = 5, 4  # scan length, feature size
 
 
@@ -304,6 +305,96 @@ def test_stacked_rows_are_unified_exactly_at_the_ends_of_the_scale_range(exponen
     assert float(out.scale) == common
     exact = data.astype(np.float64) * (scales.astype(np.float64) / common)[:, None]
     np.testing.assert_array_equal(np.asarray(out.data), exact.astype(np.float16))
+
+
+def _geometric_rows(exponent: int, dtype=jnp.float16):
+    """``(x, w) -> rows`` and ``w``: row ``i`` is ``x * 2^(exponent i)``, at a scale of its own."""
+
+    def rows(x, w):
+        return lax.scan(lambda c, _: (c * w, c), x, None, length=8)[1]
+
+    return rows, js.ScaledArray(jnp.ones((), dtype), jnp.float32(2.0**exponent))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_stop_scaling_reads_a_stacked_output_at_its_rows_scales(dtype):
+    """8 rows of 4096 elements at ``2^-20`` times ``2^0 .. 2^56`` (beyond float16 at one
+    scale): ``stop_scaling`` (what an optimizer reads) and a cast before it give each row's
+    exact value; the rows brought to one scale first lost every float16 row but the last."""
+    rows, w = _geometric_rows(8, dtype)
+    x = js.ScaledArray(normal(70, (4096,)).astype(dtype), jnp.float32(2.0**-20))
+
+    def read(x, w):
+        stacked = rows(x, w)
+        return js.stop_scaling(stacked, jnp.float32), js.stop_scaling(stacked.astype(jnp.float32))
+
+    exact = np.asarray(x.data, np.float64) * 2.0**-20 * 2.0 ** (8 * np.arange(8))[:, None]
+    for out in jax.jit(js.scalify(read))(x, w):
+        np.testing.assert_array_equal(np.asarray(out), exact.astype(np.float32))
+
+
+def test_is_finite_of_a_stacked_output_reads_each_row():
+    """An infinite element in one row and a zero row at ``2^100``: ``is_finite`` (the finite
+    check of a train step) is the reference's, element by element, and the compiled check
+    does not bring the rows to one scale (no test for the zero rows)."""
+
+    def fn(x, w):
+        stacked = lax.scan(lambda c, s: (c * w, c * s), x, jnp.asarray([1.0, 1.0, jnp.inf, 0.0]))
+        return jnp.isfinite(stacked[1])
+
+    x, w = scaled16(normal(71, (4096,)), -20), scaled16(jnp.float32(1.0), 40)
+    expected = reference64(fn, x, w)
+    assert expected[:2].all() and not expected[2].any() and expected[3].all()
+    np.testing.assert_array_equal(jax.jit(js.scalify(fn))(x, w), expected)
+    compiled = jax.jit(js.scalify(fn)).lower(x, w).compile().as_text()
+    assert "direction=NE" not in compiled
+
+
+def test_a_cast_stacked_output_reaches_a_consuming_scan_unrounded():
+    """Rows spanning 2^56, cast to float32 between two scans, read by the second row by
+    row at their own scales: float16 data at one scale would have lost the small rows."""
+    rows, w = _geometric_rows(8)
+
+    def fn(x, w):
+        wide = rows(x, w).astype(jnp.float32)
+        return lax.scan(lambda c, row: (c, row * 2.0), 0.0, wide)[1]
+
+    x = scaled16(normal(72, (4096,)), -20)
+    out = jax.jit(js.scalify(fn))(x, w)
+    np.testing.assert_array_equal(value64(out), reference64(fn, x, w))
+
+
+@pytest.mark.parametrize("exponent", MODEL_EXPONENTS)
+def test_a_scanned_models_gradients_as_read_are_the_unrolled_models(exponent):
+    """``grad`` of six float16 layers (256 x 256), scanned and unrolled with a leaf per layer:
+    the gradients as the optimizer reads them (``stop_scaling``, after a cast to float32 or
+    not) are the same bits. The layers' gains alternate ``2^+-8``, so their gradients'
+    scales span ``2^16``: at one scale, the float16 rows of the small ones lost bits."""
+    gains = np.exp2(8.0 * (-1.0) ** np.arange(6))[:, None, None].astype(np.float32)
+    ws = js.as_scaled_array((normal(73, (6, 256, 256), 1 / 16) * gains).astype(jnp.float16))
+    x = scaled16(normal(74, (128, 256)), exponent)
+
+    def loss(ws, x):
+        step = lambda h, w: (jnp.tanh(h @ w), None)  # noqa: E731
+        if isinstance(ws, list):
+            h = functools.reduce(lambda h, w: step(h, w)[0], ws, x)
+        else:
+            h = lax.scan(step, x, ws)[0]
+        return jnp.sum(h.astype(jnp.float32) ** 2)
+
+    def read(ws, x):
+        grads = jax.grad(loss)(ws, x)
+        plain = functools.partial(js.stop_scaling, dtype=jnp.float32)
+        return jax.tree.map(plain, grads), jax.tree.map(
+            lambda g: plain(g.astype(jnp.float32)), grads
+        )
+
+    layers = [js.ScaledArray(ws.data[i], ws.scale) for i in range(6)]
+    scanned = jax.jit(js.scalify(read))(ws, x)
+    unrolled = jax.jit(js.scalify(read))(layers, x)
+    for got, want in zip(scanned, unrolled, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.stack(want))
+        assert np.all(np.isfinite(got)) and np.any(got != 0)
 
 
 def _scan_eqns(jaxpr) -> list:

@@ -45,6 +45,9 @@ class Slot:
     infinities, NaNs and selections among them), so it takes the scale of what it meets.
     ``scalar_chain`` counts the scale rules behind a 0-d ScaledArray since its data and scale
     were last stored (:func:`~jax_scaled.engine.fusion.scalar_chains_bounded`).
+    ``finer`` holds the value at finer (block) scales where ``value`` is it brought to one
+    scale (a scan's stacked rows, each at its own scale): rules with the property
+    ``READS_FINER_SCALES`` read it instead, exactly.
     """
 
     value: Value
@@ -53,6 +56,7 @@ class Slot:
     estimate: float | None = None
     any_scale: bool = False
     scalar_chain: int = 0
+    finer: ScaledArray | None = None
 
     @property
     def is_scaled(self) -> bool:

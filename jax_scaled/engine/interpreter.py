@@ -28,7 +28,7 @@ from jax import lax
 from jax_scaled import _jax_internals as jxi
 from jax_scaled import context
 from jax_scaled.any_scale import AnyScaleValue
-from jax_scaled.array import Value, is_array_like
+from jax_scaled.array import ScaledArray, Value, is_array_like
 from jax_scaled.config import ScalifyConfig, current_config
 from jax_scaled.dtypes import is_narrow_float
 from jax_scaled.engine import block_dispatch, constants, recording
@@ -190,6 +190,10 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
             "or leave this value unscaled (jax_scaled.stop_scaling) before the operation."
         )
     invals = promote_inputs(in_slots, found.has(Property.MULTIPLICATIVE))
+    finer = _on_finer_scales(found, eqn, in_slots, invals)
+    if finer is not None and not any(isinstance(v, ScaledArray) for v in finer):
+        # Plain outputs: the one-scale operand is not read.
+        return rule_output_slots(eqn, finer if eqn.primitive.multiple_results else finer[0])
     with jxi.eqn_user_context(eqn):
         fell_back = False
         if any(is_blocked(v) for v in invals):
@@ -197,7 +201,29 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
         else:
             invals = operands_computed_together(eqn.primitive, invals)
             outs = found.rule(*invals, **eqn.params)
-    return scalar_chains_bounded(in_slots, rule_output_slots(eqn, outs, fell_back))
+    out_slots = scalar_chains_bounded(in_slots, rule_output_slots(eqn, outs, fell_back))
+    if finer is None:
+        return out_slots
+    return [_with_finer(s, f) for s, f in zip(out_slots, finer, strict=True)]
+
+
+def _on_finer_scales(
+    found: Any, eqn: jxi.JaxprEqn, in_slots: list[Slot], invals: list[Value]
+) -> list[Value] | None:
+    """The outputs of ``eqn``'s rule on the finer scales of its operands that have them
+    (:attr:`Slot.finer`), where the rule reads them; else None."""
+    if not found.has(Property.READS_FINER_SCALES) or all(s.finer is None for s in in_slots):
+        return None
+    if found.block_rule is None and not found.has(Property.POINTWISE):
+        raise RuntimeError(f"'{eqn.primitive.name}' reads finer scales without a block rule.")
+    finer = [v if s.finer is None else s.finer for s, v in zip(in_slots, invals, strict=True)]
+    with jxi.eqn_user_context(eqn):
+        outs, _ = block_dispatch.apply_rule(found, eqn, finer, source_line(eqn))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _with_finer(slot: Slot, finer: Value) -> Slot:
+    return replace(slot, finer=finer) if slot.is_scaled and is_blocked(finer) else slot
 
 
 def rule_output_slots(eqn: jxi.JaxprEqn, outs: Any, block_fallback: bool = False) -> list[Slot]:

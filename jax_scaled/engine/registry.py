@@ -57,6 +57,10 @@ class Property(enum.Flag):
     * ``BLOCKS_INSIDE``: a higher-order primitive whose body receives block-scaled operands
       as they are (calls: ``jit``, custom derivatives, ``checkpoint``). Other higher-order
       primitives (loops, ``cond``, ``shard_map``) get them at one scale per tensor.
+    * ``READS_FINER_SCALES``: a primitive with a block rule or ``POINTWISE``, exact on block
+      scales, whose rule reads an operand's finer scales where the interpreter holds them
+      (:attr:`~jax_scaled.engine.facts.Slot.finer`): a plain output (``stop_scaling``,
+      ``is_finite``) comes from them alone, a scaled one (a cast) keeps both forms.
     """
 
     NONE = 0
@@ -71,6 +75,7 @@ class Property(enum.Flag):
     FACTS_INSIDE = enum.auto()
     POINTWISE = enum.auto()
     BLOCKS_INSIDE = enum.auto()
+    READS_FINER_SCALES = enum.auto()
 
 
 @dataclasses.dataclass

@@ -374,7 +374,10 @@ for _comparison in (lax_primitives.eq_to_p, lax_primitives.lt_to_p, lax_primitiv
     _register_comparison(_comparison, Property.NONE)
 
 
-@register_scale_rule(lax.is_finite_p, properties=Property.SELECTING | Property.POINTWISE)
+@register_scale_rule(
+    lax.is_finite_p,
+    properties=Property.SELECTING | Property.POINTWISE | Property.READS_FINER_SCALES,
+)
 def is_finite_rule(x: ScaledArray, **params) -> jax.Array:
     """Plain bool: finite data and finite scale."""
     return lax.is_finite_p.bind(x.data, **params) & lax.is_finite(scale_f32(x))
@@ -387,7 +390,7 @@ def is_finite_rule(x: ScaledArray, **params) -> jax.Array:
 
 @register_scale_rule(
     lax.convert_element_type_p,
-    properties=Property.ANY_SCALE_PRESERVING | Property.POINTWISE,
+    properties=Property.ANY_SCALE_PRESERVING | Property.POINTWISE | Property.READS_FINER_SCALES,
     facts=converted_fact,
 )
 def convert_element_type_rule(x: ScaledArray, *, new_dtype, **params) -> Value:

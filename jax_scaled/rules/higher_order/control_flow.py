@@ -16,9 +16,11 @@ program keeps its structure, only the representation of its values changes.
 * **Stacked outputs** (``ys`` of scan): a loop-invariant scale (that of a constant or of
   ``xs``, kept by the body) is returned as is. Otherwise each iteration's scale is stacked and
   the result is brought to the largest scale of its rows that are not all zero (one rescale
-  of the stacked data). A later scan that reads such an output as ``xs`` uses the
-  per-iteration scales directly, so under ``jit`` the rescale is dead code there (the usual
-  case: residuals of ``grad`` of a scan).
+  of the stacked data). The rows stay in the output's slot at their own scales
+  (:attr:`~jax_scaled.engine.facts.Slot.finer`): a later scan that reads it as ``xs`` uses
+  them directly (residuals of ``grad`` of a scan), and so do ``stop_scaling``, ``is_finite``
+  and casts (a scanned model's gradients, read by the optimizer and a finite check), exactly.
+  Under ``jit`` the rescale is then dead code.
   8-bit float data is stacked as its bytes, which XLA writes in place.
 * **Branches** (cond, switch): interpreted separately; where they disagree on an output, the
   plain ones are promoted to ScaledArray (and scale dtypes joined).
@@ -37,7 +39,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -244,23 +245,22 @@ def _run_scan(
     return _carry_slots(carry) + [unpack(y) for unpack, y in zip(y_forms, ys, strict=True)]
 
 
-@dataclasses.dataclass(frozen=True)
-class StackedSlot(Slot):
-    """A scan's stacked output whose rows had scales of their own. ``rows`` keeps
-    ``(data, per-row scales)``, so that a later scan over it reads the rows without a rescale.
-    """
-
-    rows: tuple = ()
-
-
 def _scanned_form(slot: Slot) -> tuple[Any, Callable[[Any], Slot]]:
     """What ``lax.scan`` slices for an ``xs`` input, and how to rebuild one iteration's slot."""
     value = slot.value
     if not isinstance(value, ScaledArray):  # facts of a broadcast hold for each slice
         return value, functools.partial(rebound, slot)
-    if isinstance(slot, StackedSlot):  # an earlier scan's rows keep their scales: no rescale
-        return slot.rows, lambda row: Slot(ScaledArray._trusted(*row))
+    rows = _rows_of(slot.finer)
+    if rows is not None:  # an earlier scan's rows keep their scales: no rescale
+        return rows, lambda row: Slot(ScaledArray._trusted(*row))
     return value.data, lambda data: Slot(ScaledArray._trusted(data, value.scale))
+
+
+def _rows_of(finer: ScaledArray | None) -> tuple[jax.Array, jax.Array] | None:
+    """``(data, one scale per row)`` of a value held at a scale per row, else None."""
+    if finer is None or finer.scale.shape[1:] != (1,) * (finer.ndim - 1):
+        return None
+    return finer.data, finer.scale.reshape(finer.scale.shape[:1])
 
 
 def _invariant_scales(consts: list[Slot], xs: list[Slot]) -> dict[int, jax.Array]:
@@ -301,7 +301,8 @@ def _stacked_as_bytes(y: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], ja
 
 def _unify_rows(rows: tuple[jax.Array, jax.Array]) -> Slot:
     """Stacked data with one scale per row, as a ScaledArray at the largest scale of a row that
-    is not all zero (the largest of all when every row is)."""
+    is not all zero (the largest of all when every row is); its slot keeps the rows at their
+    own scales, as its finer form."""
     data, scales = rows
     scales32 = scales.astype(jnp.float32)
     # A row of zeros is the same at any scale: its scale (a saturated layer's gradient, say,
@@ -316,7 +317,8 @@ def _unify_rows(rows: tuple[jax.Array, jax.Array]) -> Slot:
         rescale(data, ratio.reshape(ratio.shape + (1,) * (data.ndim - 1))),
         common.astype(scales.dtype),
     )
-    return StackedSlot(unified, rows=rows)
+    per_row = scales.reshape(scales.shape + (1,) * (data.ndim - 1))
+    return Slot(unified, finer=ScaledArray._trusted(data, per_row))
 
 
 # ---------------------------------------------------------------------------------------
