@@ -17,6 +17,7 @@ import jax_scaled as js
 from jax_scaled.engine.fusion import bundle_scales
 from jax_scaled.pow2.xla import (
     computed_once,
+    computed_once_as_bits,
     computed_once_per_block,
     computed_together,
     computed_together_as_bits,
@@ -216,6 +217,29 @@ def test_stored_once_keeps_every_float32_bit_pattern():
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), patterns)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_a_shared_scalar_computed_once_keeps_every_narrow_bit_pattern(dtype):
+    width = jnp.dtype(dtype).itemsize * 8
+    patterns = np.arange(2**width, dtype=np.uint32).astype(f"uint{width}")
+    got = jax.jit(jax.vmap(computed_once_as_bits))(patterns.view(dtype))
+    got = np.asarray(got).view(patterns.dtype)
+    all_ones = patterns == np.iinfo(patterns.dtype).max  # a NaN: its sign may change
+    np.testing.assert_array_equal(got[~all_ones], patterns[~all_ones])
+    assert np.isnan(np.asarray(got[all_ones].view(dtype), np.float32)).all()
+
+
+def test_a_shared_scalar_computed_once_keeps_every_float32_bit_pattern():
+    fields = np.arange(256, dtype=np.uint32) << 23
+    mantissas = np.array([0, 1, 0x2AAAAA, 0x400000, 0x7FFFFE, 0x7FFFFF], np.uint32)
+    patterns = (fields[:, None] | mantissas[None, :]).ravel()
+    patterns = np.concatenate([patterns, patterns | np.uint32(0x80000000)])
+    got = jax.jit(jax.vmap(computed_once_as_bits))(patterns.view(np.float32))
+    got = np.asarray(got).view(np.uint32)
+    keeps = patterns != 0xFFFFFFFF  # -NaN with every payload bit: +NaN
+    np.testing.assert_array_equal(got[keeps], patterns[keeps])
+    assert got[~keeps].tolist() == [0x7FFFFFFF]
+
+
 def clipped_update(grads):
     """``optax.clip_by_global_norm``'s update: every leaf reads the global norm."""
     updates, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
@@ -355,6 +379,36 @@ def test_a_scheduled_learning_rate_is_compiled_once_not_once_per_parameter():
         inputs = scheduled_adam_inputs(n_leaves, 1.0)
         text = jax.jit(js.scalify(scheduled_adam_step)).lower(*inputs).compile().as_text()
         assert text.count(" cosine(") == 1, n_leaves
+
+
+def test_a_plain_scheduled_learning_rate_is_compiled_once_not_once_per_parameter():
+    # js.optim.scaled_state computes the update on plain float32 values: the schedule is a
+    # plain scalar chain read by every leaf's update, which XLA copied into each of them,
+    # as it does in the program without scalify.
+    for n_leaves in (2, 8):
+        inputs = scaled_state_inputs(n_leaves, 1.0)
+        text = jax.jit(js.scalify(scaled_state_step)).lower(*inputs).compile().as_text()
+        assert text.count(" cosine(") == 1, n_leaves
+
+
+SCALED_STATE_ADAM = js.optim.scaled_state(
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(optax.cosine_decay_schedule(1e-3, 100)))
+)
+
+
+def scaled_state_step(grads, state, params):
+    updates, state = SCALED_STATE_ADAM.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
+def scaled_state_inputs(n_leaves: int, grad_scale: float) -> tuple:
+    keys = jax.random.split(jax.random.PRNGKey(4), n_leaves)
+    params = {f"w{i}": jax.random.normal(k, (128, 128)) / 16 for i, k in enumerate(keys)}
+    grads = {
+        key: js.scaled_array(jax.random.normal(jax.random.fold_in(k, 1), p.shape), grad_scale)
+        for (key, p), k in zip(params.items(), keys, strict=True)
+    }
+    return grads, SCALED_STATE_ADAM.init(params), params
 
 
 @pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20], ids=["2^-20", "1", "2^20"])

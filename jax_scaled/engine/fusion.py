@@ -39,7 +39,12 @@ from jax_scaled import _jax_internals as jxi
 from jax_scaled.array import ScaledArray
 from jax_scaled.engine.facts import Slot
 from jax_scaled.memo import memoized
-from jax_scaled.pow2.xla import computed_once, computed_together, computed_together_as_bits
+from jax_scaled.pow2.xla import (
+    computed_once,
+    computed_once_as_bits,
+    computed_together,
+    computed_together_as_bits,
+)
 
 # A 0-d value's readers are spread over the whole program (a global norm, a scheduled
 # learning rate, read by every parameter's update): copies of its chain grow with the model.
@@ -54,8 +59,9 @@ def computed_once_where_shared(outvars: list, slots: list[Slot], uses: dict) -> 
     """``slots`` (an equation's outputs, for ``outvars``) with the traced scale of each
     shared output computed once: a 0-d value read twice or more, a tensor read
     :data:`_TENSOR_READERS` times or more (``uses``,
-    :func:`~jax_scaled.engine.peephole.use_counts`). Values are unchanged; a scale already
-    computed once stays as it is.
+    :func:`~jax_scaled.engine.peephole.use_counts`). A plain 0-d float read twice or more is
+    computed once itself (:func:`~jax_scaled.pow2.xla.computed_once_as_bits`). Values are
+    unchanged; a scale already computed once stays as it is.
 
     Example:
         >>> def f(s):
@@ -67,10 +73,29 @@ def computed_once_where_shared(outvars: list, slots: list[Slot], uses: dict) -> 
         >>> "rem" in str(jax.make_jaxpr(f)(jnp.float32(4.0)))
         True
     """
-    return [
-        _with_scale_once(slot) if _shared(uses.get(var, 0), slot) else slot
-        for var, slot in zip(outvars, slots, strict=True)
-    ]
+    return [_once_if_shared(s, uses.get(v, 0)) for v, s in zip(outvars, slots, strict=True)]
+
+
+def _once_if_shared(slot: Slot, readers: int) -> Slot:
+    if _plain_traced_float_scalar(slot.value):
+        return _value_once(slot) if readers >= 2 else slot
+    return _with_scale_once(slot) if _shared(readers, slot) else slot
+
+
+def _plain_traced_float_scalar(value: object) -> bool:
+    if not (isinstance(value, jxi.Tracer) and value.ndim == 0):
+        return False
+    return jnp.issubdtype(value.dtype, jnp.floating)
+
+
+def _value_once(slot: Slot) -> Slot:
+    """A plain 0-d value read by several equations, computed once (an optax schedule's
+    learning rate, read by every parameter's update); its facts kept."""
+    value = slot.value
+    once = memoized("value_once", value, lambda: computed_once_as_bits(value))
+    memoized("value_once", once, lambda: once)
+    base = once if slot.base is value else slot.base
+    return dataclasses.replace(slot, value=once, base=base)
 
 
 # XLA does not copy a square root into the kernels that read it, so a root's data gets a
