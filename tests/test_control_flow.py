@@ -11,7 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_pow2_scales, check_e8m0_matches, reference64, value64
+from helpers import (
+    HOW,
+    assert_close,
+    assert_pow2_scales,
+    built,
+    check_e8m0_matches,
+    covering,
+    reference64,
+    value64,
+)
 from jax import lax
 
 import jax_scaled as js
@@ -331,6 +340,17 @@ def test_stop_scaling_reads_a_stacked_output_at_its_rows_scales(dtype):
     exact = np.asarray(x.data, np.float64) * 2.0**-20 * 2.0 ** (8 * np.arange(8))[:, None]
     for out in jax.jit(js.scalify(read))(x, w):
         np.testing.assert_array_equal(np.asarray(out), exact.astype(np.float32))
+
+
+@pytest.mark.parametrize(("how", "exponent"), covering(HOW, EXPONENTS))
+def test_stacked_rows_are_read_exactly_however_the_input_was_built(how, exponent):
+    """The rows of the test above from a float16 input built every way the API allows, at
+    ``2^-20`` and ``2^20``: ``stop_scaling`` gives each row's exact value."""
+    rows, w = _geometric_rows(8)
+    x = built(how, normal(76, (4096,)), jnp.float16, 2.0**exponent)
+    out = jax.jit(js.scalify(lambda x, w: js.stop_scaling(rows(x, w), jnp.float32)))(x, w)
+    exact = value64(x) * 2.0 ** (8 * np.arange(8))[:, None]
+    np.testing.assert_array_equal(np.asarray(out), exact.astype(np.float32))
 
 
 def test_is_finite_of_a_stacked_output_reads_each_row():
