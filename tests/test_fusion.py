@@ -361,14 +361,20 @@ def scheduled_adam_step(grads, state, params):
     return optax.apply_updates(params, updates), state
 
 
-def scheduled_adam_inputs(n_leaves: int, grad_scale: float) -> tuple:
-    keys = jax.random.split(jax.random.PRNGKey(3), n_leaves)
+def params_and_grads(n_leaves: int, grad_scale: float, seed: int) -> tuple[dict, dict]:
+    """``n_leaves`` float32 parameters of 128 x 128 and their gradients at ``grad_scale``."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), n_leaves)
     params = {f"w{i}": jax.random.normal(k, (128, 128)) / 16 for i, k in enumerate(keys)}
-    state = SCHEDULED_ADAM.init(params)
     grads = {
         key: js.scaled_array(jax.random.normal(jax.random.fold_in(k, 1), p.shape), grad_scale)
         for (key, p), k in zip(params.items(), keys, strict=True)
     }
+    return params, grads
+
+
+def scheduled_adam_inputs(n_leaves: int, grad_scale: float) -> tuple:
+    params, grads = params_and_grads(n_leaves, grad_scale, seed=3)
+    state = SCHEDULED_ADAM.init(params)
     return grads, js.as_scaled_array(state), js.as_scaled_array(params)
 
 
@@ -402,12 +408,7 @@ def scaled_state_step(grads, state, params):
 
 
 def scaled_state_inputs(n_leaves: int, grad_scale: float) -> tuple:
-    keys = jax.random.split(jax.random.PRNGKey(4), n_leaves)
-    params = {f"w{i}": jax.random.normal(k, (128, 128)) / 16 for i, k in enumerate(keys)}
-    grads = {
-        key: js.scaled_array(jax.random.normal(jax.random.fold_in(k, 1), p.shape), grad_scale)
-        for (key, p), k in zip(params.items(), keys, strict=True)
-    }
+    params, grads = params_and_grads(n_leaves, grad_scale, seed=4)
     return grads, SCALED_STATE_ADAM.init(params), params
 
 
