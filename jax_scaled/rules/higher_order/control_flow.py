@@ -313,12 +313,11 @@ def _unify_rows(rows: tuple[jax.Array, jax.Array]) -> Slot:
     # stacked data (a scanned GPT's gradients: 23 instructions a stacked leaf).
     common = computed_once(jnp.where(common > 0, common, jnp.max(scales32, initial=0.0)))
     ratio = computed_once_per_block(pow2_ratio(scales32, common))
+    per_row = scales.shape + (1,) * (data.ndim - 1)  # broadcasts along each row
     unified = ScaledArray._trusted(
-        rescale(data, ratio.reshape(ratio.shape + (1,) * (data.ndim - 1))),
-        common.astype(scales.dtype),
+        rescale(data, ratio.reshape(per_row)), common.astype(scales.dtype)
     )
-    per_row = scales.reshape(scales.shape + (1,) * (data.ndim - 1))
-    return Slot(unified, finer=ScaledArray._trusted(data, per_row))
+    return Slot(unified, finer=ScaledArray._trusted(data, scales.reshape(per_row)))
 
 
 # ---------------------------------------------------------------------------------------
