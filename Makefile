@@ -60,7 +60,7 @@ test: lint $(VENV)/.installed-test
 
 # Docstring examples; their names (jax, jnp, np, js, the public API) come from ./conftest.py.
 doctest: $(VENV)/.installed-test
-	$(PY) -m pytest --doctest-modules jax_scaled
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal --doctest-modules jax_scaled
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/overhead.py $(BENCH_ARGS)
