@@ -30,16 +30,25 @@ _SIGN_BIT = np.int32(-(2**31))
 _MANTISSA_BITS_IN_FIELD = np.int32(MANTISSA_BITS << MANTISSA_BITS)  # 2^-23 as an exponent shift
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def quantize_value(
     value: jax.Array,
     fmt: BlockFormat,
     block_shape: tuple[int, ...] | None,
     exact_subnormals: bool = True,
+    read_elsewhere: bool = False,
 ) -> ScaledArray:
     """``value`` (float32) quantized to ``fmt`` in blocks of ``block_shape`` (None: one
     scale for the tensor), as :func:`~jax_scaled.quantize.quantize` describes (and its
     ``exact_subnormals``).
+
+    Block quantization reads ``value`` twice (the blocks' maxima, the elements), and XLA
+    computes a producer again in each reader it fuses into, so ``value`` is stored once
+    (:func:`~jax_scaled.pow2.xla.stored_once`), unless ``read_elsewhere``: a value that the
+    program also reads outside the quantization (an optimizer's new moment, which the
+    update reads too) is stored once by XLA itself for all its readers, and the remainder
+    would store a copy that only the quantization reads, leaving the other readers to
+    compute the value again.
 
     Example:
         >>> fmt = js.formats.BlockFormat("E4M3", jnp.float8_e4m3fn, 2, scale_rounding="rceil")
@@ -47,7 +56,7 @@ def quantize_value(
         >>> q.scale.tolist(), q.data.astype(jnp.float32).tolist()
         ([1.0, 2.0], [448.0, 1.0, 224.0, 0.0])
     """
-    if block_shape is not None:  # read by the blocks' maxima and by the elements' kernel
+    if block_shape is not None and not read_elsewhere:
         value = stored_once(value)
     scale = lax.stop_gradient(block_scales(value, fmt, block_shape))
     if scale.ndim:  # the kernel writing the elements reads them, not the blocks' maxima

@@ -161,13 +161,44 @@ def quantize(
             raise TypeError("quantize: pass scale_rounding= only (scale_rule= is its old name).")
         scale_rounding = scale_rule
     fmt, blocks = _resolve(np.shape(x), dtype, block_shape, axis, scale_rounding, scale_dtype)
-    exact = bool(exact_subnormals)
+    return _quantized(x, fmt, blocks, bool(exact_subnormals), read_elsewhere=False)
+
+
+def quantize_read_elsewhere(
+    x: Any,
+    dtype: DTypeLike,
+    *,
+    block_shape: Sequence[int],
+    scale_rounding: ScaleRounding | None = None,
+    scale_dtype: DTypeLike | None = None,
+    exact_subnormals: bool = True,
+) -> ScaledArray:
+    """:func:`quantize` of a value that the program also reads elsewhere: XLA stores such a
+    value once for all its readers, so the quantization does not store a copy of its own
+    (:func:`~jax_scaled.block_quantization.quantize_value`). js.optim stores an optimizer's
+    new moments, which the update reads as well, this way. The same result as
+    :func:`quantize`.
+
+    Example:
+        >>> x = jnp.arange(64.0).reshape(2, 32) % 16 - 8
+        >>> q = quantize_read_elsewhere(x, jnp.float8_e4m3fn, block_shape=(1, 32))
+        >>> bool((q.data == quantize(x, jnp.float8_e4m3fn, block_shape=(1, 32)).data).all())
+        True
+    """
+    fmt, blocks = _resolve(np.shape(x), dtype, block_shape, None, scale_rounding, scale_dtype)
+    return _quantized(x, fmt, blocks, bool(exact_subnormals), read_elsewhere=True)
+
+
+def _quantized(
+    x: Any, fmt: BlockFormat, blocks: tuple[int, ...] | None, exact: bool, read_elsewhere: bool
+) -> ScaledArray:
     if isinstance(x, ScaledArray):
         value, exact = _value_of(x, exact)
-        return quantize_value(value, fmt, blocks, exact)
+        return quantize_value(value, fmt, blocks, exact, read_elsewhere)
     if in_scalify_trace():
-        return quantize_p.bind(jnp.asarray(x), **_params(fmt, blocks, exact))
-    return quantize_value(stop_scaling(jnp.asarray(x), jnp.float32), fmt, blocks, exact)
+        return quantize_p.bind(jnp.asarray(x), **_params(fmt, blocks, exact, read_elsewhere))
+    value = stop_scaling(jnp.asarray(x), jnp.float32)
+    return quantize_value(value, fmt, blocks, exact, read_elsewhere)
 
 
 def _value_of(x: ScaledArray, exact_subnormals: bool) -> tuple[jax.Array, bool]:
@@ -259,7 +290,10 @@ def _named_format(name: str) -> BlockFormat | np.dtype:
 
 
 def _params(
-    fmt: BlockFormat, block_shape: tuple[int, ...] | None, exact_subnormals: bool
+    fmt: BlockFormat,
+    block_shape: tuple[int, ...] | None,
+    exact_subnormals: bool,
+    read_elsewhere: bool = False,
 ) -> dict[str, Any]:
     """The parameters of the ``quantize`` primitive."""
     return {
@@ -268,6 +302,7 @@ def _params(
         "scale_rounding": fmt.scale_rounding,
         "scale_dtype": fmt.scale_dtype,
         "exact_subnormals": exact_subnormals,
+        "read_elsewhere": read_elsewhere,
     }
 
 
@@ -277,12 +312,13 @@ def _from_params(
     scale_rounding: str,
     scale_dtype,
     exact_subnormals: bool = True,
-) -> tuple[BlockFormat, tuple[int, ...] | None, bool]:
-    """The format, block shape and subnormal handling of the ``quantize`` primitive's
-    parameters."""
+    read_elsewhere: bool = False,
+) -> tuple[BlockFormat, tuple[int, ...] | None, bool, bool]:
+    """The format, block shape, subnormal handling and ``read_elsewhere`` of the
+    ``quantize`` primitive's parameters."""
     name = np.dtype(element_dtype).name
     fmt = BlockFormat(name, element_dtype, None, scale_dtype, scale_rounding)
-    return fmt, block_shape, exact_subnormals
+    return fmt, block_shape, exact_subnormals, read_elsewhere
 
 
 def _blocks(shape: tuple[int, ...], block_shape: Sequence[int]) -> tuple[int, ...]:
@@ -351,12 +387,12 @@ quantize_p = jxi.define_primitive(
 @register_scale_rule(quantize_p, applies_to_unscaled=True)
 def _quantize_rule(x, **params) -> ScaledArray:
     """A plain, per-tensor or block-scaled ``x`` quantized from its float32 value."""
-    fmt, blocks, exact = _from_params(**params)
+    fmt, blocks, exact, read_elsewhere = _from_params(**params)
     if isinstance(x, ScaledArray):
         value, exact = _value_of(x, exact)
     else:
         value = x.astype(jnp.float32)
-    return quantize_value(value, fmt, blocks, exact)
+    return quantize_value(value, fmt, blocks, exact, read_elsewhere)
 
 
 register_block_rule(quantize_p)(_quantize_rule)
@@ -367,6 +403,7 @@ __all__ = [
     "in_scalify_trace",
     "quantize",
     "quantize_p",
+    "quantize_read_elsewhere",
     "round_to_format",
     "tracing_for_scalify",
 ]

@@ -430,10 +430,11 @@ def test_a_scheduled_adam_update_keeps_its_values(scale):
         np.testing.assert_allclose(actual, value, rtol=steps * eps, atol=update_error)
 
 
-def test_a_moment_stored_in_blocks_is_computed_for_its_store_and_its_update_only():
+def test_a_moment_stored_in_blocks_is_computed_once_for_its_store_and_its_update():
     # The new second moment is read by the update (m / (sqrt(v) + eps)) and by its storage in
     # float16 blocks, which reads it twice (the blocks' maxima, the elements): XLA computed it
-    # in three kernels. It is now stored once for the storage's two reads.
+    # in three kernels. Stored once for the storage's two reads, it was computed again by the
+    # update, which did not read that copy. XLA stores a value with three readers itself.
     opt = js.optim.scaled_state(optax.adam(1e-3), jnp.float16)
     params = {"w": jax.random.normal(jax.random.PRNGKey(4), (256, 512)) / 16}
     grads = {"w": js.scaled_array(jax.random.normal(jax.random.PRNGKey(5), (256, 512)), 2.0**-8)}
@@ -449,7 +450,7 @@ def test_a_moment_stored_in_blocks_is_computed_for_its_store_and_its_update_only
         for name, lines in computations.items()
         if any("f32[256,512]" in line and "integer_pow" in line for line in lines)
     ]
-    assert len(squaring) == 2, squaring
+    assert len(squaring) == 1, squaring
 
 
 def residual_inputs(depth: int) -> tuple:

@@ -24,7 +24,7 @@ from jax_scaled.engine.registry import register_block_rule, register_scale_rule
 from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.ops.rescale import dynamic_rescale_rule
 from jax_scaled.primitives import stop_scaling
-from jax_scaled.quantize import quantize
+from jax_scaled.quantize import quantize_read_elsewhere
 from jax_scaled.rules.casts import saturate
 from jax_scaled.scales import as_scaled
 from jax_scaled.tree import tree_leaves, tree_map
@@ -230,7 +230,7 @@ def stored(
         return unit_scaled(x, dtype, scale_dtype)
     blocks = storage_blocks(jnp.shape(x), block_size)
     if blocks is not None:
-        return quantize(
+        return quantize_read_elsewhere(  # the update reads a new moment too
             x,
             dtype,
             block_shape=blocks,

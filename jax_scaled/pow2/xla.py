@@ -47,7 +47,11 @@ these helpers where the choice matters.
   in the kernel writing the elements, and XLA computed the value again in each: an
   optimizer state leaf stored in blocks had its new moment worked out three times (the
   third in the parameter's update, which reads the moment before it is stored), an MX
-  operand its producer twice. 5.8% of the 4-layer GPT's ``fp8_policy_scalify`` step.
+  operand its producer twice. 5.8% of the 4-layer GPT's ``fp8_policy_scalify`` step. Not
+  for a value read outside the quantization too (an optimizer's new moment, since the
+  update computes in plain float32): XLA stores a value of three readers itself, and the
+  remainder's copy, read by the quantization only, left the update computing the moment
+  again (6% of the same step).
 * **A shared plain scalar computed once** (:func:`computed_once_as_bits`): a remainder
   on its bits, which is exact for every value (a float remainder turns infinities into
   NaN). Optax's learning-rate schedule, a float32 chain of about 30 operations that every
