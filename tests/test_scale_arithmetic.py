@@ -441,6 +441,7 @@ def test_scalify_folds_constant_arithmetic_without_compiling():
         return jax.grad(lambda v: -jnp.mean(v * v))(x)
 
     x = js.as_scaled_array(jnp.linspace(1.0, 2.0, 4))
+
     def eager_constant(x):
         with jax.ensure_compile_time_eval():  # what folding by an XLA op would do
             return f(x) * -jnp.float32(2.0)
