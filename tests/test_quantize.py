@@ -21,7 +21,7 @@ import jax_scaled as js
 from jax_scaled.array import expand_scale
 from jax_scaled.block_quantization import _divide, quantize_value
 from jax_scaled.formats import storage_dtype
-from jax_scaled.quantize import tracing_for_scalify
+from jax_scaled.quantize import quantize_read_elsewhere, tracing_for_scalify
 from jax_scaled.scales import centre_exponent
 
 ELEMENTS = [f.element_dtype for f in js.formats.MX_FORMATS]
@@ -457,6 +457,29 @@ def test_the_kernel_writing_the_data_reads_block_scales_not_block_maxima(fmt):
     passed_in = js.quantize(jax.jit(value)(x), fmt)
     assert np.asarray(computed_in_jit.data).tobytes() == np.asarray(passed_in.data).tobytes()
     assert np.asarray(computed_in_jit.scale).tobytes() == np.asarray(passed_in.scale).tobytes()
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20], ids=["2^-20", "1", "2^20"])
+def test_a_value_read_elsewhere_is_quantized_to_the_same_bits(how, scale):
+    # js.optim stores its new moments without the quantization's own stored copy (the
+    # update reads them too): the same data and block scales as js.quantize, built every
+    # way, in and outside scalify, and with other readers in the program.
+    values = jnp.asarray(np.random.default_rng(8).standard_normal((256, 128)), jnp.float32)
+    x = built(how, values, jnp.float16, scale)
+    quantizations = (js.quantize, quantize_read_elsewhere)
+
+    def both(x):
+        value = x * 3.0 - 1.0  # a producer both read, and an output read elsewhere too
+        out = [q(value, jnp.float16, block_shape=(1, 32), scale_rounding="rceil") for q in
+               quantizations]  # fmt: skip
+        return out, value
+
+    plain = jax.jit(lambda x: both(x.to_array(jnp.float32)))
+    for step in (plain, jax.jit(js.scalify(both))):
+        (want, got), _ = step(x)
+        assert np.asarray(got.data).tobytes() == np.asarray(want.data).tobytes()
+        assert np.asarray(got.scale).tobytes() == np.asarray(want.scale).tobytes()
 
 
 def test_float16_state_blocks_are_quantized_without_range_checks():
