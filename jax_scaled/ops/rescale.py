@@ -269,7 +269,10 @@ def _magnitudes(data: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
     magnitude = jnp.abs(data.astype(compute_dtype(data.dtype)))
-    return magnitude, jnp.max(magnitude, initial=0).astype(jnp.float32)
+    # Magnitudes are not negative: a maximum with 0 after the reduction only serves empty
+    # data, and elsewhere it was a kernel of its own per tensor where rescales are stacked.
+    largest = jnp.max(magnitude, initial=None if magnitude.size else 0)
+    return magnitude, largest.astype(jnp.float32)
 
 
 def _needs_unit(dtype: jnp.dtype, norm: str) -> bool:
