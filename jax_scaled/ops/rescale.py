@@ -43,7 +43,12 @@ from jax_scaled.engine.registry import register_scale_rule
 from jax_scaled.engine.together import register_together
 from jax_scaled.memo import memoized, recorded
 from jax_scaled.pow2.traced import pow2_round, pow2_round_positive
-from jax_scaled.pow2.xla import computed_apart, computed_once, computed_once_per_block
+from jax_scaled.pow2.xla import (
+    computed_apart,
+    computed_once,
+    computed_once_per_block,
+    float_division,
+)
 from jax_scaled.scales import make_scale, rescale, scale_f32
 from jax_scaled.scales.guard import record_largest_magnitude
 
@@ -213,9 +218,11 @@ def _rescales_together(norm: str, operands: list[list[Any]]) -> None:
     if len(xs) < 2:
         return
     magnitudes, largest = zip(*(_magnitudes(x.data, norm) for x in xs), strict=True)
-    units = _units_together([x.dtype for x in xs], largest, norm)
-    statistics = map(_statistic, magnitudes, largest, [norm] * len(xs), units)
-    factors = _factor(jnp.stack(list(statistics)))
+    if any(m.dtype != jnp.float32 for m in magnitudes):  # float64 data: in its own precision
+        statistics = jnp.stack([_data_statistic(x.data, norm)[0] for x in xs])
+    else:
+        statistics = _statistics_together(magnitudes, largest, norm, [x.dtype for x in xs])
+    factors = _factor(statistics)
     scales = jnp.stack([scale_f32(x) for x in xs])
     new_scales = computed_once_per_block(pow2_round_positive(scales * factors))
     ratios = scales / new_scales
@@ -227,18 +234,32 @@ def _rescales_together(norm: str, operands: list[list[Any]]) -> None:
         memoized(_rescaled_kind(norm), x.data, lambda shared=shared: shared)
 
 
-def _units_together(
-    dtypes: list[jnp.dtype], largest: tuple[jax.Array, ...], norm: str
-) -> list[jax.Array | None]:
-    """The units of the statistics that take one (:func:`_data_statistic`), worked out by one
-    kernel (computed once, exact: powers of two in ``[2^-126, 2^127]``); None elsewhere."""
-    with_unit = [i for i, dtype in enumerate(dtypes) if _needs_unit(dtype, norm)]
-    units: list[jax.Array | None] = [None] * len(dtypes)
-    if with_unit:
-        together = computed_once_per_block(pow2_round(jnp.stack([largest[i] for i in with_unit])))
-        for i, unit in zip(with_unit, computed_apart(together), strict=True):
-            units[i] = unit
-    return units
+def _statistics_together(
+    magnitudes: tuple[jax.Array, ...],
+    largest: tuple[jax.Array, ...],
+    norm: str,
+    dtypes: list[jnp.dtype],
+) -> jax.Array:
+    """The ``norm`` statistics (:func:`_statistic`) of several tensors' float32 magnitudes,
+    as one vector: only the reductions are per tensor. The units (:func:`_unit`, 1 for data
+    that needs none), their reciprocals, the mean's division, the square root and the
+    product by the unit are worked out on vectors, elementwise, which gives the same floats
+    (a product by a power of two's reciprocal is the division by it, both exact). Per
+    tensor, each was a kernel of its own where XLA:CPU could not fuse it into the
+    reduction's (a concatenate does not fuse its operands)."""
+    if norm == "max":
+        return jnp.stack(largest)
+    with_unit = [_needs_unit(dtype, norm) for dtype in dtypes]
+    units = None
+    if any(with_unit):
+        ones = np.ones((), np.float32)
+        to_round = [m if needed else ones for m, needed in zip(largest, with_unit, strict=True)]
+        units = computed_once_per_block(_unit(jnp.stack(to_round)))
+        reciprocals = computed_apart(float_division(np.ones(units.shape, np.float32), units))
+        magnitudes = tuple(map(lax.mul, magnitudes, reciprocals))
+    sums = jnp.stack([_sum_statistic(m, norm) for m in magnitudes])
+    means = _mean_statistic(sums / np.array([m.size for m in magnitudes], np.float32), norm)
+    return means if units is None else means * units
 
 
 def _per_tensor_scaled(x: Any) -> bool:
@@ -260,7 +281,7 @@ def _data_statistic(data: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
     largest magnitude's (two passes over the data became one).
     """
     magnitude, largest = _magnitudes(data, norm)
-    unit = pow2_round(largest) if _needs_unit(data.dtype, norm) else None
+    unit = _unit(largest) if _needs_unit(data.dtype, norm) else None
     return _statistic(magnitude, largest, norm, unit), largest
 
 
@@ -275,6 +296,16 @@ def _magnitudes(data: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
     return magnitude, largest.astype(jnp.float32)
 
 
+def _unit(largest: jax.Array) -> jax.Array:
+    """The power of two that a statistic is taken relative to (elementwise): ``largest``
+    rounded (1 for zero or non-finite), at most 2^126, so that its reciprocal is a normal
+    float32. XLA:CPU divides data by a scalar as a product by its reciprocal, and reads a
+    subnormal one as zero: relative to 2^127, data of a largest magnitude in
+    ``[2^127, 2^128)`` had a zero statistic. Relative to 2^126 the statistic is the same
+    float (every step scales exactly by the power of two)."""
+    return lax.min(pow2_round(largest), np.float32(2.0**126))
+
+
 def _needs_unit(dtype: jnp.dtype, norm: str) -> bool:
     """Whether the ``norm`` statistic of ``dtype`` data is taken relative to a unit."""
     return norm != "max" and not _squares_fit_float32(dtype)
@@ -283,21 +314,25 @@ def _needs_unit(dtype: jnp.dtype, norm: str) -> bool:
 def _statistic(
     magnitude: jax.Array, largest: jax.Array, norm: str, unit: jax.Array | None
 ) -> jax.Array:
-    """The ``norm`` statistic of ``magnitude``, relative to ``unit`` (the largest magnitude
-    rounded to a power of two: 1 for all-zero or non-finite data) unless it is None."""
+    """The ``norm`` statistic of ``magnitude``, relative to ``unit`` (:func:`_unit` of the
+    largest magnitude) unless it is None."""
     if norm == "max":
         return largest
-    if unit is None:
-        return _unit_statistic(magnitude, norm).astype(jnp.float32)
-    relative = magnitude / unit.astype(magnitude.dtype)
-    return _unit_statistic(relative, norm).astype(jnp.float32) * unit
+    if unit is not None:
+        magnitude = magnitude / unit.astype(magnitude.dtype)
+    mean = _sum_statistic(magnitude, norm) / np.asarray(magnitude.size, magnitude.dtype)
+    statistic = _mean_statistic(mean, norm).astype(jnp.float32)
+    return statistic if unit is None else statistic * unit
 
 
-def _unit_statistic(magnitude: jax.Array, norm: str) -> jax.Array:
-    """The mean (``l1``) or root mean square (``l2``) of ``magnitude``."""
-    if norm == "l1":
-        return jnp.mean(magnitude)
-    return jnp.sqrt(jnp.mean(jnp.square(magnitude)))
+def _sum_statistic(magnitude: jax.Array, norm: str) -> jax.Array:
+    """The sum of ``magnitude`` (``l1``) or of its squares (``l2``)."""
+    return jnp.sum(magnitude if norm == "l1" else jnp.square(magnitude))
+
+
+def _mean_statistic(mean: jax.Array, norm: str) -> jax.Array:
+    """The statistic from the mean of ``magnitude`` (``l1``) or of its squares (``l2``)."""
+    return mean if norm == "l1" else jnp.sqrt(mean)
 
 
 def _squares_fit_float32(dtype: jnp.dtype) -> bool:
