@@ -48,6 +48,7 @@ from jax_scaled.pow2.xla import (
     computed_once,
     computed_once_per_block,
     float_division,
+    stacked_scalars,
 )
 from jax_scaled.scales import make_scale, rescale, scale_f32
 from jax_scaled.scales.guard import record_largest_magnitude
@@ -223,7 +224,7 @@ def _rescales_together(norm: str, operands: list[list[Any]]) -> None:
     else:
         statistics = _statistics_together(magnitudes, largest, norm, [x.dtype for x in xs])
     factors = _factor(statistics)
-    scales = jnp.stack([scale_f32(x) for x in xs])
+    scales = stacked_scalars([scale_f32(x) for x in xs])
     new_scales = computed_once_per_block(pow2_round_positive(scales * factors))
     ratios = scales / new_scales
     parts = zip(

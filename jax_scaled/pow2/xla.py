@@ -80,6 +80,11 @@ these helpers where the choice matters.
   23.0k.
 * **The largest magnitude of guarded data** (:func:`largest_magnitude`): one reduction kernel
   instead of three, and ``abs`` fused into large reductions.
+* **Scalars stacked by selects** (:func:`stacked_scalars`): XLA:CPU does not fuse a
+  concatenate's operands, so each scalar that a few operations produce (a scale's maximum
+  with 1, a rescaled largest magnitude) and a stack reads was a kernel of its own. A chain
+  of selects by constant masks is one kernel with its operands' arithmetic: the 4-layer
+  GPT's ``fp8_policy_scalify`` step from 2,537 kernels to 2,434 (48 instructions more).
 
 Example:
     >>> float(float_division(np.float32(1.0), np.float32(4.0)))
@@ -332,6 +337,25 @@ def computed_apart(vector: jax.Array, *, as_bits: bool = False) -> list[jax.Arra
     """
     together = computed_together_as_bits if as_bits else computed_together
     return together([vector[i] for i in range(vector.shape[0])])
+
+
+def stacked_scalars(values: Sequence[Any]) -> jax.Array:
+    """0-d ``values`` of one dtype as a vector (``jnp.stack``'s result), built in one kernel
+    with the scalar arithmetic that produced them: a chain of selects by constant masks.
+    XLA:CPU does not fuse a concatenate's operands, so each traced value computed by a few
+    scalar operations (a scale's maximum, a rescaled largest magnitude) that a stack reads
+    was a kernel of its own.
+
+    Example:
+        >>> stacked_scalars([jnp.float32(1.5), np.float32(-2.0), jnp.float32(4.0)]).tolist()
+        [1.5, -2.0, 4.0]
+    """
+    dtype = jnp.result_type(*values)
+    vector = lax.broadcast(jnp.asarray(values[0], dtype), (len(values),))
+    for i, value in enumerate(values[1:], start=1):
+        mask = np.arange(len(values)) == i
+        vector = lax.select(mask, lax.broadcast(jnp.asarray(value, dtype), mask.shape), vector)
+    return vector
 
 
 def _unsigned(dtype: Any) -> Any:

@@ -43,6 +43,7 @@ from jax_scaled.pow2.xla import (
     largest_magnitude,
     reciprocal_power,
     record_reciprocal,
+    stacked_scalars,
 )
 from jax_scaled.scales.values import Value, make_scale, scale_f32, scale_mul, times_scalar
 
@@ -387,7 +388,9 @@ def guard_factors_together(wides: Sequence[jax.Array], dtype) -> None:
     wides = list({id(w): w for w in wides if w.size and isinstance(w, jxi.Tracer)}.values())
     if band is None or len(wides) < 2:
         return
-    largest = jnp.stack([memoized(_LARGEST, w, lambda w=w: largest_magnitude(w)) for w in wides])
+    largest = stacked_scalars(
+        [memoized(_LARGEST, w, lambda w=w: largest_magnitude(w)) for w in wides]
+    )
     up = computed_once_per_block(_up_factor(largest, band, 0))
     down = float_division(np.ones(up.shape, np.float32), up)
     kind = _factors_kind(band, 0)
