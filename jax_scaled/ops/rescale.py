@@ -332,7 +332,8 @@ def _sum_statistic(magnitude: jax.Array, norm: str) -> jax.Array:
 
 
 def _mean_statistic(mean: jax.Array, norm: str) -> jax.Array:
-    """The statistic from the mean of ``magnitude`` (``l1``) or of its squares (``l2``)."""
+    """The ``norm`` statistic from ``mean``: the mean magnitude (``l1``) or the mean square
+    (``l2``, whose root it is)."""
     return mean if norm == "l1" else jnp.sqrt(mean)
 
 
