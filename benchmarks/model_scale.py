@@ -33,6 +33,9 @@ Columns:
 * *jaxpr eqns*: equations of the traced step's jaxpr, sub-jaxprs included (a ``scan`` or
   ``pjit`` body counted once where it appears, not once per iteration);
 * *HLO instrs*: instructions of the compiled (optimised) HLO module, all computations;
+* *kernels*: the fusions, dots and custom calls of its entry computation, each compiled on
+  its own by XLA (``compile_breakdown.kernel_counts``): XLA:CPU's code generation time
+  follows their number more than the instructions';
 * *trace / lower / compile s*: ``jax.jit(step).trace(...)``, ``.lower()``, ``.compile()``,
   fresh (nothing cached) and once per row;
 * *step ms*: median wall time of one step (blocked); after one untimed call, the rows of a
@@ -72,6 +75,9 @@ import numpy as np
 from jax.extend.core import Jaxpr, jaxprs_in_params
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from compile_breakdown import kernel_counts  # noqa: E402
 
 import jax_scaled as js  # noqa: E402
 from experiments import gpt, table3  # noqa: E402
@@ -95,8 +101,8 @@ DEFAULT_CONFIGS = ("fp32", "bf16", "fp16", QWIX, "fp16_scalify", "fp8_scalify",
 LAYOUTS = ("unrolled", "scan")
 QWIX_RULE_PATH = r"(.*/)?(qkv|proj|fc)"  # the blocks' Dense modules, unrolled or scanned
 FP8_DOT = re.compile(r"stablehlo\.(?:dot_general|convolution)\b.*: \(([^)]*)\) ->")
-HEADER = ("layers", "layout", "config", "jaxpr eqns", "HLO instrs", "trace s", "lower s",
-          "compile s", "step ms", "FP8 dots", "vs fp32 (build, step)",
+HEADER = ("layers", "layout", "config", "jaxpr eqns", "HLO instrs", "kernels", "trace s",
+          "lower s", "compile s", "step ms", "FP8 dots", "vs fp32 (build, step)",
           "vs qwix (build, step)", "vs plain of its types (HLO, build, step)")  # fmt: skip
 
 
@@ -115,6 +121,7 @@ class Row:
     fp8_dots: int = 0
     step_s: float = float("nan")
     error: str = ""
+    kernels: int = 0  # the compiled step's entry kernels (compile_breakdown.kernel_counts)
 
     @property
     def build(self) -> float:
@@ -211,7 +218,9 @@ def measure(row: Row, runner: table3.Runner, batch: tuple[np.ndarray, np.ndarray
     row.trace, row.lower = traced_at - start, lowered_at - traced_at
     row.compile = time.perf_counter() - lowered_at
     row.eqns = count_eqns(traced.jaxpr.jaxpr)
-    row.hlo, row.fp8_dots = hlo_instructions(compiled.as_text()), fp8_dots(lowered.as_text())
+    hlo_text = compiled.as_text()
+    row.hlo, row.kernels = hlo_instructions(hlo_text), kernel_counts(hlo_text)[0]
+    row.fp8_dots = fp8_dots(lowered.as_text())
     return compiled
 
 
@@ -314,7 +323,7 @@ def table_lines(rows: Sequence[Row], header: bool = True) -> list[str]:
             continue
         fp8_scalify = PRECISIONS[r.config].scalify and PRECISIONS[r.config].fp8
         cells = [str(r.layers), r.layout, f"`{r.config}`", str(r.eqns), str(r.hlo),
-                 f"{r.trace:.2f}", f"{r.lower:.2f}", f"{r.compile:.2f}",
+                 str(r.kernels), f"{r.trace:.2f}", f"{r.lower:.2f}", f"{r.compile:.2f}",
                  f"{1e3 * r.step_s:.1f}", str(r.fp8_dots), ratio(r, by_name.get("fp32")),
                  ratio(r, by_name.get(QWIX)) if fp8_scalify else "-",
                  plain_ratio(r, by_name.get(plain_twin(r.config, list(by_name))))]  # fmt: skip
