@@ -293,16 +293,24 @@ def _arithmetic(body: list[str]) -> list[str]:
     return [op for op in opcodes if op not in ("parameter", "constant", "bitcast")]
 
 
+def _rescaled_together(norm: str, seed: int, shape, *, scalar: bool = False):
+    """16 tensors of ``shape`` rescaled together: them, the scalified rescale and the
+    arithmetic of each kernel of its compiled program (``scalar``: of one-element ones)."""
+    keys = jax.random.split(jax.random.key(seed), 16)
+    xs = [js.scaled_array(jax.random.normal(k, shape), 2.0**-3) for k in keys]
+    rescaled = js.scalify(lambda xs: [RESCALE[norm](x) for x in xs])
+    bodies = compiled_computations(rescaled, xs)
+    pattern = r"= f32\[1?\]\S* fusion" if scalar else r"fusion\("
+    kernels = [re.search(r"calls=(%[\w.\-]+)", line) for line in bodies["ENTRY"]
+               if re.search(pattern, line)]  # fmt: skip
+    return xs, rescaled, [_arithmetic(bodies[k.group(1)]) for k in kernels if k]
+
+
 @pytest.mark.parametrize("norm", ["l1", "l2"])
 def test_rescales_together_stack_their_largest_magnitudes_as_reduced(norm):
     # Stacked for their units, each tensor's largest magnitude went through a maximum with
     # 0 (jnp.max's initial) in a kernel of its own: 52 kernels in the 4-layer GPT's step.
-    keys = jax.random.split(jax.random.key(3), 16)
-    xs = [js.scaled_array(jax.random.normal(k, (64, 64)), 2.0**-3) for k in keys]
-    rescaled = js.scalify(lambda xs: [RESCALE[norm](x) for x in xs])
-    bodies = compiled_computations(rescaled, xs)
-    kernels = [re.search(r"calls=(%[\w.\-]+)", line) for line in bodies["ENTRY"]]
-    arithmetic = [_arithmetic(bodies[k.group(1)]) for k in kernels if k]
+    xs, rescaled, arithmetic = _rescaled_together(norm, 3, (64, 64))
     assert len(arithmetic) > 16 and ["maximum"] not in arithmetic
     for x, y in zip(xs, rescaled(xs), strict=True):
         assert_same_value(y, x)
@@ -351,13 +359,7 @@ def test_rescales_together_give_each_rescale_s_bits(dtype, norm, scale, how):
 def test_rescales_together_finish_their_statistics_on_one_vector(norm):
     # Each tensor's mean, square root and unit used to follow its reduction in a scalar
     # kernel of its own wherever XLA:CPU could not fuse them into the reduction's.
-    keys = jax.random.split(jax.random.key(4), 16)
-    xs = [js.scaled_array(jax.random.normal(k, (128, 384)), 2.0**-3) for k in keys]
-    rescaled = js.scalify(lambda xs: [RESCALE[norm](x) for x in xs])
-    bodies = compiled_computations(rescaled, xs)
-    scalar = [line for line in bodies["ENTRY"] if re.search(r"= f32\[1?\]\S* fusion", line)]
-    kernels = [re.search(r"calls=(%[\w.\-]+)", line) for line in scalar]
-    arithmetic = [_arithmetic(bodies[k.group(1)]) for k in kernels if k]
+    xs, rescaled, arithmetic = _rescaled_together(norm, 4, (128, 384), scalar=True)
     finishing = [ops for ops in arithmetic if "reduce" not in ops and "multiply" in ops]
     assert len(arithmetic) >= 16 and len(finishing) <= 2, finishing
     for x, y in zip(xs, rescaled(xs), strict=True):
