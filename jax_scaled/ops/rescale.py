@@ -220,7 +220,8 @@ def _rescales_together(norm: str, operands: list[list[Any]]) -> None:
         return
     magnitudes, largest = zip(*(_magnitudes(x.data, norm) for x in xs), strict=True)
     if any(m.dtype != jnp.float32 for m in magnitudes):  # float64 data: in its own precision
-        statistics = jnp.stack([_data_statistic(x.data, norm)[0] for x in xs])
+        parts = zip(magnitudes, largest, [x.dtype for x in xs], strict=True)
+        statistics = jnp.stack([_own_statistic(*part, norm) for part in parts])
     else:
         statistics = _statistics_together(magnitudes, largest, norm, [x.dtype for x in xs])
     factors = _factor(statistics)
@@ -282,8 +283,14 @@ def _data_statistic(data: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
     largest magnitude's (two passes over the data became one).
     """
     magnitude, largest = _magnitudes(data, norm)
-    unit = _unit(largest) if _needs_unit(data.dtype, norm) else None
-    return _statistic(magnitude, largest, norm, unit), largest
+    return _own_statistic(magnitude, largest, data.dtype, norm), largest
+
+
+def _own_statistic(magnitude: jax.Array, largest: jax.Array, dtype, norm: str) -> jax.Array:
+    """The ``norm`` statistic of ``dtype`` data of magnitudes ``magnitude``, relative to
+    the unit of ``largest`` where ``dtype`` needs one."""
+    unit = _unit(largest) if _needs_unit(dtype, norm) else None
+    return _statistic(magnitude, largest, norm, unit)
 
 
 def _magnitudes(data: jax.Array, norm: str) -> tuple[jax.Array, jax.Array]:
