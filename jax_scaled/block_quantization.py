@@ -120,12 +120,17 @@ def _top(dtype: np.dtype) -> np.float32:
 def _block_amax(value: jax.Array, block_shape: tuple[int, ...] | None) -> jax.Array:
     """The largest finite magnitude of every block (0-d for ``None``: the whole tensor)."""
     magnitude = jnp.where(jnp.isfinite(value), jnp.abs(value), np.float32(0))
+    # The maximum of the bits, which order finite magnitudes as their values do: an integer
+    # reduction that XLA:CPU fuses with the magnitude (and its producers) into one kernel,
+    # where its YNNPACK float reduction of 4096 elements or more materialised it first.
+    bits = lax.bitcast_convert_type(magnitude, jnp.int32)
     if block_shape is None:
-        return jnp.max(magnitude)
+        return lax.bitcast_convert_type(jnp.max(bits), jnp.float32)
     grid = [n // b for n, b in zip(value.shape, block_shape, strict=True)]
     interleaved = [n for pair in zip(grid, block_shape, strict=True) for n in pair]
     block_axes = tuple(range(1, 2 * value.ndim, 2))
-    return jnp.max(magnitude.reshape(interleaved), axis=block_axes)
+    largest = jnp.max(bits.reshape(interleaved), axis=block_axes)
+    return lax.bitcast_convert_type(largest, jnp.float32)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))

@@ -133,4 +133,6 @@ def test_block_stored_state_is_written_without_integer_work_on_its_elements():
     args = (grads, opt.init(weight), js.as_scaled_array(weight))
     bodies = compiled_computations(js.scalify(opt.update), *args).values()
     shape = re.escape(f"s32[{','.join(map(str, SHAPE))}]")
-    assert not any(re.search(f"= {shape}", line) for body in bodies for line in body)
+    # Bitcasts aside: the block maxima reduce the magnitudes' bits (a reinterpretation).
+    work = [line for body in bodies for line in body if "bitcast-convert(" not in line]
+    assert not any(re.search(f"= {shape}", line) for line in work)

@@ -262,7 +262,9 @@ def test_quantize_without_exact_subnormals_drops_the_subnormal_arithmetic():
         fn = functools.partial(js.quantize, dtype=jnp.float16, block_shape=(1, 32),
                                scale_rounding="rceil", exact_subnormals=exact)  # fmt: skip
         bodies = compiled_computations(fn, x).values()
-        return sum(bool(re.search(r"= s32\[128,256\]", line)) for b in bodies for line in b)
+        writing = [b for b in bodies if b and re.search(r"= f16\[128,256\]", b[-1])]
+        assert writing, "no kernel writes the float16 elements"
+        return sum(bool(re.search(r"= s32\[128,256\]", line)) for b in writing for line in b)
 
     assert element_bit_work(True) > 0
     assert element_bit_work(False) == 0
@@ -309,7 +311,9 @@ def test_a_scaled_operand_s_quantization_drops_the_subnormal_arithmetic():
     w = js.as_scaled_array(jnp.asarray(random_data(14, (256, 128), jnp.float16)))
     loss = js.scalify(jax.grad(lambda x, w: jnp.sum(js.nn.linear(x, w, block=js.nn.MXFP8))))
     bodies = compiled_computations(loss, x, w).values()
-    assert not any(re.search(r"= s32\[(128,256|256,128)\]", line) for b in bodies for line in b)
+    # Bitcasts aside: the block maxima reduce the magnitudes' bits (a reinterpretation).
+    work = [line for b in bodies for line in b if "bitcast-convert(" not in line]
+    assert not any(re.search(r"= s32\[(128,256|256,128)\]", line) for line in work)
 
 
 # -- scale roundings, zeros and non-finite values ---------------------------------------------
@@ -457,6 +461,26 @@ def test_the_kernel_writing_the_data_reads_block_scales_not_block_maxima(fmt):
     passed_in = js.quantize(jax.jit(value)(x), fmt)
     assert np.asarray(computed_in_jit.data).tobytes() == np.asarray(passed_in.data).tobytes()
     assert np.asarray(computed_in_jit.scale).tobytes() == np.asarray(passed_in.scale).tobytes()
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (512, 256), (8192,)], ids=str)
+@pytest.mark.parametrize("fmt", [js.formats.MXFP8_E4M3, STATE_BLOCKS], ids=["MXFP8", "F16"])
+def test_block_maxima_of_a_large_tensor_take_one_kernel_with_their_magnitudes(fmt, shape):
+    # XLA:CPU handed a float maximum over 4096 elements or more to its YNNPACK reduction,
+    # which first materialised the masked magnitudes (and their producers) in a kernel of
+    # their own: three kernels for the block scales of a large tensor instead of one
+    # (once per Adam moment stored in blocks, once per MX operand).
+    x = np.random.default_rng(9).standard_normal(shape).astype(np.float32)
+
+    def quantized(x):
+        return js.quantize(jnp.maximum(x, -0.5) * 4.0 - x, fmt)
+
+    def kernels(x):
+        return [line for line in compiled_computations(quantized, x)["ENTRY"] if " fusion(" in line]
+
+    small = x[:1] if x.ndim == 2 else x[:32]  # under 4096 elements: no YNNPACK
+    assert not any("ynn" in line for line in kernels(x)), kernels(x)
+    assert len(kernels(x)) == len(kernels(small))
 
 
 @pytest.mark.parametrize("how", HOW)
