@@ -116,6 +116,7 @@ __all__ = [
     "custom_jvp_call_p",
     "custom_vjp_call_p",
     "eqn_source_line",
+    "eqn_lax_origin",
     "eqn_user_context",
     "is_unspecified_sharding",
     "jit_p",
@@ -165,6 +166,24 @@ def current_trace() -> object:
 def eqn_source_line(eqn: JaxprEqn) -> str:
     """The user's source location of an equation, as ``file:line (function)``."""
     return source_info_util.summarize(eqn.source_info)
+
+
+_LAX_DIR = os.path.dirname(os.path.abspath(_lax_impl.__file__)) + os.sep
+
+
+def eqn_lax_origin(eqn: JaxprEqn) -> str | None:
+    """The name of the innermost ``jax.lax`` function in the traceback that ``eqn`` records,
+    or None: ``"slice"`` for the slice of ``x[:, :2]``, and also for the ``pad`` of its
+    transpose, which keeps the forward equation's source.
+
+    Example:
+        >>> closed = jax.make_jaxpr(lambda x: jax.lax.slice(x, (0,), (2,)))(jnp.ones(4))
+        >>> eqn_lax_origin(closed.jaxpr.eqns[0])
+        'slice'
+    """
+    traceback = eqn.source_info.traceback
+    frames = traceback.frames if traceback is not None else ()
+    return next((f.function_name for f in frames if f.file_name.startswith(_LAX_DIR)), None)
 
 
 # Frames a warning skips to reach the user's line: JAX's, this package's and the standard

@@ -160,9 +160,37 @@ def suspicious_literals(jaxpr: jxi.Jaxpr) -> Iterator[tuple[jxi.JaxprEqn, jxi.Li
     for eqn in jaxpr.eqns:
         for atom in eqn.invars:
             if isinstance(atom, jxi.Literal) and is_rounded_away(atom.val):
-                yield eqn, atom
+                if not differentiation_zero(eqn, atom):
+                    yield eqn, atom
         for sub in _sub_jaxprs(eqn.params):
             yield from suspicious_literals(sub)
+
+
+# The zeros that JAX's differentiation writes: the padding of a slice's transpose, the
+# zeros a gather's or a dynamic slice's transpose scatters into, the missing pieces of a
+# split's. Their equations keep the source of the forward operation, by which they are
+# told apart from a user's own pad or fill, whose traceback names jax.lax.pad, full,
+# broadcast_in_dim... (a traceback that names neither keeps its literal suspicious).
+_DIFFERENTIATION_ZEROS = {
+    ("pad", "slice"), ("pad", "_slice_jvp_rule"), ("broadcast_in_dim", "gather"),
+    ("broadcast_in_dim", "_dynamic_slice_jvp"), ("broadcast_in_dim", "split"),
+}  # fmt: skip
+
+
+def differentiation_zero(eqn: jxi.JaxprEqn, literal: jxi.Literal) -> bool:
+    """True for a zero literal that JAX's differentiation wrote (a transpose's padding or
+    fill): a true zero, which needs no float32 trace to recover it. A GPT's backward pass
+    has such zeros and often no other rounded literal, so its float32 trace is saved.
+
+    Example:
+        >>> f = jax.grad(lambda x: jnp.sum(x[1:] * 2.0))  # the slice's transpose pads with 0
+        >>> closed = jax.make_jaxpr(f)(jax.ShapeDtypeStruct((4,), jnp.float16))
+        >>> pad = closed.jaxpr.eqns[-1]
+        >>> pad.primitive.name, differentiation_zero(pad, pad.invars[1])
+        ('pad', True)
+    """
+    zero = float(literal.val) == 0.0
+    return zero and (eqn.primitive.name, jxi.eqn_lax_origin(eqn)) in _DIFFERENTIATION_ZEROS
 
 
 def recover_constants(
