@@ -8,7 +8,8 @@ without trouble (a float16 mantissa times ``2^-27``), so scalify recovers such c
 
 1. it looks for narrow-float literals (float16, bfloat16, float8) that are zero, subnormal or
    infinite in their dtype, in the jaxpr and its sub-jaxprs; most programs have some (the
-   ``0.0`` of a ReLU);
+   ``0.0`` of a ReLU). The zeros that differentiation writes (a slice's transpose pads with
+   them) are true zeros and do not count (:func:`differentiation_zero`);
 2. it traces the same function once more on float32 inputs (tracing only, nothing compiled);
 3. it aligns the equations of the two traces (the float32 one lacks the casts that are no-ops
    there) and, where a suspicious literal's float32 counterpart is another number that rounds
