@@ -173,8 +173,8 @@ def suspicious_literals(jaxpr: jxi.Jaxpr) -> Iterator[tuple[jxi.JaxprEqn, jxi.Li
 # told apart from a user's own pad or fill, whose traceback names jax.lax.pad, full,
 # broadcast_in_dim... (a traceback that names neither keeps its literal suspicious).
 _DIFFERENTIATION_ZEROS = {
-    ("pad", "slice"), ("pad", "_slice_jvp_rule"), ("broadcast_in_dim", "gather"),
-    ("broadcast_in_dim", "_dynamic_slice_jvp"), ("broadcast_in_dim", "split"),
+    (lax.pad_p, "slice"), (lax.pad_p, "_slice_jvp_rule"), (lax.broadcast_in_dim_p, "gather"),
+    (lax.broadcast_in_dim_p, "_dynamic_slice_jvp"), (lax.broadcast_in_dim_p, "split"),
 }  # fmt: skip
 
 
@@ -191,7 +191,7 @@ def differentiation_zero(eqn: jxi.JaxprEqn, literal: jxi.Literal) -> bool:
         ('pad', True)
     """
     zero = float(literal.val) == 0.0
-    return zero and (eqn.primitive.name, jxi.eqn_lax_origin(eqn)) in _DIFFERENTIATION_ZEROS
+    return zero and (eqn.primitive, jxi.eqn_lax_origin(eqn)) in _DIFFERENTIATION_ZEROS
 
 
 def recover_constants(
