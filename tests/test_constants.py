@@ -204,3 +204,42 @@ def test_a_user_s_fill_beside_differentiation_zeros_is_still_recovered():
     want = np.zeros((4, 4))
     want[1:] = 2.0**-19 * 1e-8  # the gradient's rows padded by a zero row
     np.testing.assert_allclose(value64(grad), want, rtol=2.0**-10)
+
+
+CONSTANT_OUTPUTS = {
+    # The gradient of a linear term is its coefficient everywhere: no input reaches it.
+    "grad_of_linear": lambda x, c: jax.grad(lambda y: jnp.sum(y * c))(x),
+    "fill_beside_input": lambda x, c: (x, jnp.full_like(x, c)),
+    "folded_zeros_plus_c": lambda x, c: jnp.zeros_like(x) + c * 0.5,
+}
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", sorted(CONSTANT_OUTPUTS))
+@pytest.mark.parametrize("how", HOW)
+@settings(max_examples=4, deadline=None)
+@given(data=st.data())
+def test_an_output_that_is_a_rounded_away_constant_keeps_its_value(how, name, dtype, data):
+    """``jax.grad(lambda x: jnp.sum(x * 1e-8))`` of a float16 ScaledArray is ``1e-8`` (a
+    ScaledArray), not float16's 0: an output computed from constants alone was returned as
+    the narrow program's rounded array."""
+    constant = data.draw(rounded_away_constants(dtype))
+    scale = data.draw(st.sampled_from([2.0**-20, 2.0**20]))
+    x = built(how, jnp.asarray(random_data(3, (256,), jnp.float32)), dtype, scale)
+
+    def fn(x):
+        return CONSTANT_OUTPUTS[name](x, constant)
+
+    outs = jax.tree.leaves(jax.jit(js.scalify(fn))(x), is_leaf=lambda v: isinstance(v, js.ScaledArray))
+    wants = jax.tree.leaves(CONSTANT_OUTPUTS[name](value64(x), constant))
+    for out, want in zip(outs, wants, strict=True):
+        assert out.dtype == dtype
+        assert_close(out, want, dtype)
+
+
+def test_a_plain_call_keeps_a_plain_constant_output():
+    """Without a ScaledArray argument scalify runs the program as it is: its outputs stay the
+    arrays the program computes, rounded constants included (as jax.grad gives them)."""
+    out = js.scalify(jax.grad(lambda y: jnp.sum(y * 1e-8)))(jnp.ones(4, jnp.float16))
+    assert not isinstance(out, js.ScaledArray)
+    np.testing.assert_array_equal(out, np.zeros(4, np.float16))
