@@ -230,7 +230,8 @@ def test_an_output_that_is_a_rounded_away_constant_keeps_its_value(how, name, dt
     def fn(x):
         return CONSTANT_OUTPUTS[name](x, constant)
 
-    outs = jax.tree.leaves(jax.jit(js.scalify(fn))(x), is_leaf=lambda v: isinstance(v, js.ScaledArray))
+    is_scaled = lambda v: isinstance(v, js.ScaledArray)  # noqa: E731
+    outs = jax.tree.leaves(jax.jit(js.scalify(fn))(x), is_leaf=is_scaled)
     wants = jax.tree.leaves(CONSTANT_OUTPUTS[name](value64(x), constant))
     for out, want in zip(outs, wants, strict=True):
         assert out.dtype == dtype
