@@ -17,8 +17,10 @@ without trouble (a float16 mantissa times ``2^-27``), so scalify recovers such c
 
 The interpreter then gives such a literal its true value as a static fact: where it meets a
 ScaledArray it is promoted exactly (see :mod:`jax_scaled.engine.promotion`), and folded constants
-and casts keep it (see :mod:`jax_scaled.engine.interpreter`). A suspicious literal that cannot be
-matched triggers one :class:`ConstantPrecisionWarning` naming it and its source line.
+and casts keep it (see :mod:`jax_scaled.engine.interpreter`), and an output that is such a
+constant comes back as a ScaledArray of it (the gradient of ``jnp.sum(x * 1e-8)``). A
+suspicious literal that cannot be matched triggers one :class:`ConstantPrecisionWarning`
+naming it and its source line.
 """
 
 from __future__ import annotations
