@@ -23,8 +23,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
@@ -44,7 +42,12 @@ from jax_scaled.engine.fusion import (
     scalar_chains_bounded,
 )
 from jax_scaled.engine.peephole import transposed_contractions, use_counts
-from jax_scaled.engine.promotion import normalized_scalar, normalizes, promote, promote_inputs
+from jax_scaled.engine.promotion import (
+    constant_output,
+    normalized_scalar,
+    normalizes,
+    promote_inputs,
+)
 from jax_scaled.engine.registry import Property, record
 from jax_scaled.engine.together import SharedWork
 from jax_scaled.engine.tracing import Traced, bind_eqn, call_traced, evaluate_jaxpr
@@ -96,24 +99,8 @@ def _interpret(traced: Traced) -> list:
     in_slots = [Slot(normalized_scalar(x) if normalizes(x) else x) for x in traced.arrays]
     marked_computed([s.value for s in in_slots])
     out_slots = interpret_closed(traced.closed, in_slots)
-    if any(s.is_scaled for s in in_slots):
-        out_slots = [_constant_kept(s) for s in out_slots]
-    return bundle_scales([s.value for s in out_slots], traced.arrays)
-
-
-def _constant_kept(slot: Slot) -> Slot:
-    """An output that is a trace-time constant its narrow dtype cannot hold (the gradient of
-    ``jnp.sum(x * 1e-8)``, ``1e-8`` everywhere, is 0 in float16) as a ScaledArray of that
-    constant, exactly split into data and scale; other outputs as they are. Only for calls
-    given a ScaledArray: a plain call keeps plain outputs."""
-    constant = slot.constant
-    if slot.is_scaled or constant is None or not is_narrow_float(slot.value.dtype):
-        return slot
-    if constants.holds(slot.value.dtype, constant):
-        return slot
-    scale_dtype = current_config().scale_dtype or jnp.float32
-    promoted = promote(slot, lambda: np.float32(1.0), scale_dtype)
-    return replace(slot, value=ScaledArray(promoted.data, jnp.asarray(promoted.scale)))
+    kept = constant_output if any(s.is_scaled for s in in_slots) else (lambda s: s.value)
+    return bundle_scales([kept(s) for s in out_slots], traced.arrays)
 
 
 def _check_outputs(fn: Callable, leaves: list) -> None:

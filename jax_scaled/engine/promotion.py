@@ -20,7 +20,8 @@ from jax import lax
 
 from jax_scaled.array import ScaledArray, Value
 from jax_scaled.config import current_config
-from jax_scaled.dtypes import compute_dtype
+from jax_scaled.dtypes import compute_dtype, is_narrow_float
+from jax_scaled.engine import constants
 from jax_scaled.engine.facts import Slot
 from jax_scaled.memo import memoized
 from jax_scaled.pow2.static import static_pow2_split
@@ -164,6 +165,30 @@ def promote(
     wide = compute_dtype(value.dtype)
     data = (value.astype(wide) * (1 / scale).astype(wide)).astype(value.dtype)
     return ScaledArray(data, scale.astype(scale_dtype))
+
+
+def constant_output(slot: Slot) -> Value:
+    """An output of a call given a ScaledArray: a trace-time constant its narrow dtype cannot
+    hold comes back as a ScaledArray of that constant, split exactly into data and scale (the
+    gradient of ``jnp.sum(x * 1e-8)``, ``1e-8`` everywhere, would be 0 in float16); any other
+    output as it is.
+
+    Example:
+        >>> from jax_scaled.engine.facts import Slot
+        >>> from jax_scaled.array import engine_builds
+        >>> tiny = Slot(jnp.zeros(2, jnp.float16), constant=1e-8)
+        >>> with engine_builds():
+        ...     out = constant_output(tiny)
+        >>> f"{float(out.data[0]) * float(out.scale):.3g}"  # to float16 precision
+        '1e-08'
+    """
+    value, constant = slot.value, slot.constant
+    if slot.is_scaled or constant is None or not is_narrow_float(value.dtype):
+        return value
+    if constants.holds(value.dtype, constant):
+        return value
+    promoted = promote(slot, lambda: np.float32(1.0), current_config().scale_dtype or jnp.float32)
+    return ScaledArray(promoted.data, jnp.asarray(promoted.scale))
 
 
 def normalized_scalar(x: ScaledArray) -> ScaledArray:
