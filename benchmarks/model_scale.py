@@ -23,9 +23,10 @@ reference of size and speed); ``fp8_policy_f32_storage_scalify`` is ``fp8_policy
 with float32 master weights and Adam state, qwix's storage, where ``fp8_policy_scalify``
 keeps both in float16; ``qwix_fp8`` is the same bf16 step with the unmodified model
 handed to qwix's quantized training (``qwix.quantize_model(model, qwix.QtProvider([rule]))``,
-rule :data:`QWIX_RULE`: the blocks' weight matmuls ``qkv``, ``proj`` and ``fc`` take E4M3
+rule :func:`qwix_rule`: the blocks' weight matmuls ``qkv``, ``proj`` and ``fc`` take E4M3
 operands forward and an E5M2 output gradient backward; attention products and the output head
-stay bf16, as in ``fp8_scalify``). Its rows are skipped, with a message, without qwix
+stay bf16, as in ``fp8_scalify``), and ``qwix_mxfp8`` the same with qwix's MXFP8 blocks of 32
+(the peer of ``mxfp8_scalify``). The qwix rows are skipped, with a message, without qwix
 (``pip install -e '.[bench]'``).
 
 Columns:
@@ -46,7 +47,10 @@ Columns:
   once). On CPU, XLA later computes them in wider types; the count is what each method asks of
   the compiler;
 * *vs fp32*: (trace + lower + compile) and step time over ``fp32``'s, same layers and layout;
-* *vs qwix*: the same over ``qwix_fp8``'s, for the scalify FP8 configurations;
+* *vs qwix*: HLO instructions, build and step time over those of the configuration's qwix
+  peer (:func:`qwix_peer`), for the scalify FP8 configurations: ``qwix_mxfp8`` (qwix's
+  MXFP8 quantized training, :func:`qwix_rule`) for the block-scaled recipes when it is in
+  the group, ``qwix_fp8`` otherwise;
 * *vs plain of its types*: HLO instructions, build and step time of a scalify configuration
   over those of the plain program with its data types (:func:`plain_twin`: the same compute,
   master-weight and Adam-state dtypes, no scale propagation, no FP8) when that program is in
@@ -84,6 +88,8 @@ from experiments import gpt, table3  # noqa: E402
 
 BF16 = jnp.dtype(jnp.bfloat16)
 QWIX = "qwix_fp8"
+QWIX_MX = "qwix_mxfp8"
+QWIX_PEERS = (QWIX, QWIX_MX)
 VOCAB = 96  # benchmarks/table3_compile.py's
 SIZE = table3.SIZES["full"]  # width 128, heads 4, batch 16 x context 128
 POLICY_F32_STORAGE = "fp8_policy_f32_storage_scalify"
@@ -92,18 +98,19 @@ PRECISIONS: dict[str, table3.Precision] = {
     "bf16": table3.Precision("bf16", "", compute_dtype=BF16),
     "fp16": table3.Precision("fp16", "", compute_dtype=table3.F16),
     QWIX: table3.Precision(QWIX, "", compute_dtype=BF16),
+    QWIX_MX: table3.Precision(QWIX_MX, "", compute_dtype=BF16),
     POLICY_F32_STORAGE: dataclasses.replace(
         table3.PRECISIONS["fp8_policy_scalify"], name=POLICY_F32_STORAGE,
         master_dtype=table3.F32, state_dtype=table3.F32),
 }  # fmt: skip
-DEFAULT_CONFIGS = ("fp32", "bf16", "fp16", QWIX, "fp16_scalify", "fp8_scalify",
+DEFAULT_CONFIGS = ("fp32", "bf16", "fp16", QWIX, QWIX_MX, "fp16_scalify", "fp8_scalify",
                    "fp8_policy_scalify", POLICY_F32_STORAGE, "mxfp8_scalify")  # fmt: skip
 LAYOUTS = ("unrolled", "scan")
 QWIX_RULE_PATH = r"(.*/)?(qkv|proj|fc)"  # the blocks' Dense modules, unrolled or scanned
 FP8_DOT = re.compile(r"stablehlo\.(?:dot_general|convolution)\b.*: \(([^)]*)\) ->")
 HEADER = ("layers", "layout", "config", "jaxpr eqns", "HLO instrs", "kernels", "trace s",
           "lower s", "compile s", "step ms", "FP8 dots", "vs fp32 (build, step)",
-          "vs qwix (build, step)", "vs plain of its types (HLO, build, step)")  # fmt: skip
+          "vs qwix (HLO, build, step)", "vs plain of its types (HLO, build, step)")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -130,21 +137,44 @@ class Row:
 
 
 def qwix_missing() -> str | None:
-    """Why ``qwix_fp8`` cannot run (qwix not importable), or ``None``."""
+    """Why the qwix rows cannot run (qwix not importable), or ``None``."""
     try:
         import qwix  # noqa: F401
     except ImportError as e:
-        return f"{QWIX}: skipped, qwix is not installed ({e}); pip install -e '.[bench]'"
+        rows = ", ".join(QWIX_PEERS)
+        return f"{rows}: skipped, qwix is not installed ({e}); pip install -e '.[bench]'"
     return None
 
 
-def qwix_model(model: nn.Module) -> nn.Module:
-    """``model`` under qwix quantized training: E4M3 forward, E5M2 backward, blocks' Dense."""
+def qwix_rule(name: str) -> Any:
+    """The qwix quantized-training rule of ``name`` for the blocks' Dense modules.
+
+    ``qwix_fp8``: per-tensor E4M3 forward, E5M2 output gradient backward. ``qwix_mxfp8``:
+    qwix's ``"mxfp8"`` (E4M3 elements, a power-of-two scale per 32 along the contracting
+    axis) for both operands of all three matmuls, forward and backward. qwix has no MX
+    E5M2, so its gradients are E4M3 where ``mxfp8_scalify``'s are E5M2, and by default its
+    backward pass reads the unquantized forward operands (blocks along the forward
+    contracting axis do not serve the backward's): the residuals are quantized again along
+    the backward's axes, and the input gradient's output-gradient operand is tiled too, as
+    ``js.nn.block_linear`` does.
+    """
     import qwix
 
-    rule = qwix.QtRule(module_path=QWIX_RULE_PATH, weight_qtype=gpt.E4M3,
-                       act_qtype=gpt.E4M3, bwd_qtype=gpt.E5M2)  # fmt: skip
-    return qwix.quantize_model(model, qwix.QtProvider([rule]))
+    if name == QWIX:
+        return qwix.QtRule(module_path=QWIX_RULE_PATH, weight_qtype=gpt.E4M3,
+                           act_qtype=gpt.E4M3, bwd_qtype=gpt.E5M2)  # fmt: skip
+    mx = "mxfp8"
+    backward = dict(dlhs_tile_size=32, dlhs_residual_qtype=mx, drhs_residual_qtype=mx)
+    return qwix.QtRule(module_path=QWIX_RULE_PATH, weight_qtype=mx, act_qtype=mx,
+                       bwd_qtype=mx, tile_size=32, bwd_weight_grad_tile_size=32,
+                       additional_qt_config=backward)  # fmt: skip
+
+
+def qwix_model(model: nn.Module, name: str = QWIX) -> nn.Module:
+    """``model`` under qwix quantized training with :func:`qwix_rule` of ``name``."""
+    import qwix
+
+    return qwix.quantize_model(model, qwix.QtProvider([qwix_rule(name)]))
 
 
 def _laid_out(config: gpt.GPTConfig, layout: str) -> gpt.GPTConfig:
@@ -152,9 +182,9 @@ def _laid_out(config: gpt.GPTConfig, layout: str) -> gpt.GPTConfig:
 
 
 def make_model(name: str, config: gpt.GPTConfig, layout: str) -> nn.Module:
-    """The flax model of configuration ``name`` in ``layout`` (qwix-wrapped for ``qwix_fp8``)."""
+    """The flax model of configuration ``name`` in ``layout`` (qwix-wrapped for the qwix rows)."""
     model = gpt.GPT(_laid_out(config, layout), PRECISIONS[name].numerics)
-    return qwix_model(model) if name == QWIX else model
+    return qwix_model(model, name) if name in QWIX_PEERS else model
 
 
 def init_params(config: gpt.GPTConfig, layout: str, seed: int) -> Any:
@@ -299,17 +329,32 @@ def plain_twin(name: str, names: Sequence[str]) -> str | None:
     types = (precision.compute_dtype, precision.master_dtype, precision.state_dtype)
     for other in names:
         p = PRECISIONS[other]
-        plain = not (p.scalify or p.fp8 or p.loss_scaling or other == QWIX)
+        plain = not (p.scalify or p.fp8 or p.loss_scaling or other in QWIX_PEERS)
         if plain and (p.compute_dtype, p.master_dtype, p.state_dtype) == types:
             return other
     return None
 
 
 def plain_ratio(row: Row, ref: Row | None) -> str:
-    """``HLO, build, step`` of ``row`` over its plain twin ``ref``'s, or ``-``."""
+    """``HLO, build, step`` of ``row`` over ``ref``'s (its plain twin, its qwix peer), or
+    ``-``."""
     if ref is None or row.error or ref.error:
         return "-"
     return f"{row.hlo / ref.hlo:.2f}x, " + ratio(row, ref)
+
+
+def qwix_peer(name: str, by_name: dict[str, Row]) -> Row | None:
+    """The qwix row a scalify FP8 configuration is compared with: ``qwix_mxfp8`` for a
+    block-scaled recipe when the group has it, ``qwix_fp8`` otherwise.
+
+    Example:
+        >>> rows = {n: Row(1, "scan", n) for n in (QWIX, QWIX_MX)}
+        >>> qwix_peer("mxfp8_scalify", rows).config, qwix_peer("fp8_scalify", rows).config
+        ('qwix_mxfp8', 'qwix_fp8')
+    """
+    if PRECISIONS[name].block is not None and QWIX_MX in by_name:
+        return by_name[QWIX_MX]
+    return by_name.get(QWIX)
 
 
 def table_lines(rows: Sequence[Row], header: bool = True) -> list[str]:
@@ -325,7 +370,7 @@ def table_lines(rows: Sequence[Row], header: bool = True) -> list[str]:
         cells = [str(r.layers), r.layout, f"`{r.config}`", str(r.eqns), str(r.hlo),
                  str(r.kernels), f"{r.trace:.2f}", f"{r.lower:.2f}", f"{r.compile:.2f}",
                  f"{1e3 * r.step_s:.1f}", str(r.fp8_dots), ratio(r, by_name.get("fp32")),
-                 ratio(r, by_name.get(QWIX)) if fp8_scalify else "-",
+                 plain_ratio(r, qwix_peer(r.config, by_name)) if fp8_scalify else "-",
                  plain_ratio(r, by_name.get(plain_twin(r.config, list(by_name))))]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -361,9 +406,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if QWIX in args.configs and (message := qwix_missing()):
+    if set(QWIX_PEERS) & set(args.configs) and (message := qwix_missing()):
         print(message, flush=True)
-        args.configs.remove(QWIX)
+        args.configs = [c for c in args.configs if c not in QWIX_PEERS]
     command = "python benchmarks/model_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
     device = f"jax {jax.__version__} on {jax.devices()[0].device_kind}"
     sizes = f"width {SIZE.width}, batch {SIZE.batch_size} x context {SIZE.context}"

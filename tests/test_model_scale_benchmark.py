@@ -25,10 +25,10 @@ def test_fp32_scan_row_counts_and_times():
     assert math.isfinite(row.step_s) and row.step_s > 0
 
 
-def _lowered_fp8_dots(name: str, layout: str) -> int:
-    params = ms.init_params(TINY.model_config(ms.VOCAB), layout, 0)
-    runner = ms.build(name, TINY, layout, params)
-    return ms.fp8_dots(runner.step.lower(*runner.state, *ms.batch_of(TINY)).as_text())
+def _lowered_fp8_dots(name: str, layout: str, size=TINY) -> int:
+    params = ms.init_params(size.model_config(ms.VOCAB), layout, 0)
+    runner = ms.build(name, size, layout, params)
+    return ms.fp8_dots(runner.step.lower(*runner.state, *ms.batch_of(size)).as_text())
 
 
 def test_fp8_scalify_lowers_fp8_dots():
@@ -40,12 +40,22 @@ def test_qwix_fp8_lowers_fp8_dots():
     assert _lowered_fp8_dots(ms.QWIX, "scan") > 0
 
 
+def test_qwix_mxfp8_lowers_fp8_dots():
+    pytest.importorskip("qwix")
+    # Blocks of 32 along every contracting axis: the width, and the context (qwix tiles the
+    # weight gradient's contraction over batch and context along the context). On CPU,
+    # qwix emulates a contraction over several blocks in bfloat16 (the blocks' values
+    # dequantized): those of one block, at width 32, stay FP8 dots.
+    size = dataclasses.replace(TINY, width=32, context=32)
+    assert _lowered_fp8_dots(ms.QWIX_MX, "scan", size) > 0
+
+
 def test_table_ratios():
     rows = [ms.Row(1, "scan", name, 10, 20, 0.1, 0.1, 0.8, 1, 0.01) for name in
             ("fp32", ms.QWIX, "fp8_scalify")]  # fmt: skip
     rows[2].compile, rows[2].step_s = 1.8, 0.02
     lines = ms.table_lines(rows)
-    assert len(lines) == 5 and lines[-1].endswith("| 2.00x, 2.00x | 2.00x, 2.00x | - |")
+    assert len(lines) == 5 and lines[-1].endswith("| 2.00x, 2.00x | 1.00x, 2.00x, 2.00x | - |")
     assert lines[2].endswith("| - | - | - |")
 
 
@@ -59,6 +69,16 @@ def test_scalified_rows_are_compared_with_the_plain_program_of_their_data_types(
     # fp16_raw stores in float16, as fp8_policy_scalify does, and fp16_scalify does not
     assert cells == ["-", "-", "-", "-", "2.50x, 2.00x, 2.00x", "1.80x, 1.00x, 1.00x",
                      "1.00x, 1.00x, 1.00x"]  # fmt: skip
+
+
+def test_a_block_scaled_recipe_is_compared_with_qwix_mxfp8_when_it_ran():
+    names = ("fp32", ms.QWIX, ms.QWIX_MX, "fp8_scalify", "mxfp8_scalify")
+    rows = [ms.Row(1, "unrolled", name, 10, 100, 0.1, 0.1, 0.8, 1, 0.01) for name in names]
+    rows[2].hlo = 200  # qwix_mxfp8
+    qwix_cells = [line.split(" | ")[-2] for line in ms.table_lines(rows)[2:]]
+    assert qwix_cells[3:] == ["1.00x, 1.00x, 1.00x", "0.50x, 1.00x, 1.00x"]
+    without_mx = [line.split(" | ")[-2] for line in ms.table_lines(rows[:2] + rows[3:])[2:]]
+    assert without_mx[-1] == "1.00x, 1.00x, 1.00x"
 
 
 def test_unknown_config_is_an_error():
