@@ -7,10 +7,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jax_scaled as js
-from tests.helpers import reference64, residual_loss, value64
+from tests.helpers import HOW, built, reference64, residual_loss, value64
 
 FLOAT16_EPS = float(jnp.finfo(jnp.float16).eps)
 
@@ -204,3 +205,50 @@ def test_residual_stack_of_explicitly_scaled_weights_is_within_float16_rounding(
     data sat at its bottom and ``rsqrt(v) / v`` (the layer norm's gradient) at 2^15: the
     product after it overflowed into NaN, until quotients were range-guarded."""
     check_residual_stack("scaled_array", weight_std, scale, GELUS[gelu])
+
+
+# --- clips and bounds far from the data: library code as published ---------------------
+
+CLIPS = {
+    "jnp.clip": lambda x: jnp.clip(x, -1.0, 1.0),
+    "jnp.minimum": lambda x: jnp.minimum(x, 1.0),
+    "jax.nn.relu6": jax.nn.relu6,
+    "jax.nn.hard_tanh": jax.nn.hard_tanh,
+    "optax.clip": lambda x: optax.clip(1.0).update(x, optax.EmptyState())[0],
+    "where with an int fill": lambda x: jnp.where(x < -1, -1, x),  # the int cast in a jit
+}
+
+
+def _float16(how: str, values: jax.Array, scale: float) -> js.ScaledArray:
+    """:func:`built`, but ``as_scaled_array`` of the float32 values then cast to float16 (the
+    README's way): float16 values of 2^20 would be infinite before they have a scale."""
+    if how == "as_scaled_array":
+        return js.tree.astype(js.as_scaled_array(values * scale), jnp.float16)
+    return built(how, values, jnp.float16, scale)
+
+
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+@pytest.mark.parametrize("scale", [2.0**-20, 2.0**20])
+@pytest.mark.parametrize("how", HOW)
+def test_a_clip_keeps_the_values_it_does_not_clip_exactly(clip, scale, how):
+    """At 2^-20 no element reaches the bound of 1, and the bound's scale (2^-7 for float16
+    data) took every element's low bits, and flushed the smallest ones; at 2^20 every
+    element is beyond it. Either way the output is one operand's values, exactly."""
+    x = _float16(how, jax.random.normal(jax.random.key(4), (64, 512)), scale)
+    got = js.scalify(CLIPS[clip])(x)
+    np.testing.assert_array_equal(value64(got), reference64(CLIPS[clip], x))
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_hand_written_clipping_factor_keeps_its_value(how):
+    """``min(1, c / norm)`` for a norm of 2^28: the factor 2^-28 was aligned to the scale of
+    the constant 1 (2^-7), a float16 subnormal with 3 of its 11 bits, and the clipped
+    tensor was 13% off."""
+    x = _float16(how, jax.random.normal(jax.random.key(5), (50_000,)), 2.0**20)
+
+    def clipped(x):
+        return x * jnp.minimum(1.0, 1.0 / jnp.linalg.norm(x))
+
+    got, want = value64(js.scalify(clipped)(x)), reference64(clipped, x)
+    # three float16 roundings: the norm, its reciprocal, the product
+    assert relative_error(got, want) <= 3 * FLOAT16_EPS

@@ -92,6 +92,10 @@ def constant_slot(value: Any, true_value: float | None = None) -> Slot:
     if np.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.floating):
         constant = float(value) if true_value is None else true_value
         return Slot(value, constant=constant, base=value, estimate=estimates.of_constant(constant))
+    if np.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.integer):
+        # Its value only: a float cast of it is a constant (jnp.where(x < -1, -1, x) casts
+        # the int -1 inside a jit), not a traced scalar that a selection aligns x to.
+        return Slot(value, constant=float(value))
     if _is_scale_free_array(value):  # a closed-over mask of 0 and -inf: any scale fits it
         return Slot(value, any_scale=True)
     return Slot(value)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import jax.numpy as jnp
 from jax import lax
 
 from jax_scaled import _jax_internals as jxi
@@ -255,7 +256,8 @@ def _needs_facts_inside(found: Any, in_slots: list[Slot]) -> bool:
     outputs."""
     if not found.has(Property.FACTS_INSIDE):
         return False
-    return any(s.is_any_scale or s.constant is not None for s in in_slots)
+    floats = (s for s in in_slots if jnp.issubdtype(s.value.dtype, jnp.floating))
+    return any(s.is_any_scale or s.constant is not None for s in floats)
 
 
 def _forward(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:

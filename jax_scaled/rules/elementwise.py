@@ -223,8 +223,9 @@ def _aligned(primitive, *xs: Value, **params) -> ScaledArray:
     fold=np.maximum,
 )
 def max_rule(x: Value, y: Value, **params) -> ScaledArray:
-    """max(sx, sy): both aligned to it (rounding is monotone, so max commutes with it)."""
-    return _aligned(lax.max_p, x, y, **params)
+    """max(sx, sy): both aligned to it (rounding is monotone, so max commutes with it); a
+    whole operand where it wins everywhere (:func:`_extremum`)."""
+    return _extremum(lax.max_p, x, y, **params)
 
 
 @register_scale_rule(
@@ -234,8 +235,40 @@ def max_rule(x: Value, y: Value, **params) -> ScaledArray:
     fold=np.minimum,
 )
 def min_rule(x: Value, y: Value, **params) -> ScaledArray:
-    """max(sx, sy): both aligned to it (rounding is monotone, so min commutes with it)."""
-    return _aligned(lax.min_p, x, y, **params)
+    """max(sx, sy): both aligned to it (rounding is monotone, so min commutes with it); a
+    whole operand where it wins everywhere (:func:`_extremum`)."""
+    return _extremum(lax.min_p, x, y, **params)
+
+
+def _extremum(primitive, x: Value, y: Value, **params) -> ScaledArray:
+    """``max`` or ``min`` of ``x`` and ``y``, aligned, or the operand it picks everywhere.
+
+    Aligned to one scale, the operand of the smaller scale loses the bits below the other's
+    range: ``min(1.0 / norm, 1.0)`` of a norm of 2^28 kept 2^-28 as float16 subnormal data
+    at the scale the constant needs, and a tensor far below a clip bound
+    (``jnp.clip(g, -1, 1)``, ``jax.nn.relu6``) lost its small elements. Where one operand is
+    picked everywhere, at run time, it is the output with its own data and scale, exactly:
+    always for one element (one comparison), and for a tensor with a trace-time constant
+    operand, at the cost of one reduction (two traced tensors keep the alignment alone).
+    """
+    (dx, dy), scale = align_selection(x, y)
+    out = ScaledArray(primitive.bind(dx, dy, **params), make_scale(scale, x, y))
+    cases = [as_scaled(c) for c in (y, x)]
+    per_tensor = all(np.ndim(c.scale) == 0 for c in cases)
+    mixed = has_static_scale(x) != has_static_scale(y)
+    if not per_tensor or out.size == 0 or out.size > 1 and not mixed:
+        return out
+    # x where the output is x's aligned data; x's NaNs propagate, as in lax's max and min
+    picks_x = (out.data == dx) | jnp.isnan(dx)
+    first = picks_x.reshape(-1)[0]
+    cases = [ScaledArray(jnp.broadcast_to(c.data, out.shape), c.scale) for c in cases]
+    whole = _whole_case(first.astype(np.int32), tuple(cases))
+    if out.size == 1:
+        return whole
+    uniform = jnp.all(picks_x == first)
+    return ScaledArray(
+        lax.select(uniform, whole.data, out.data), lax.select(uniform, whole.scale, out.scale)
+    )
 
 
 def _whole_case(which: jax.Array, cases: tuple[Value, ...]) -> ScaledArray:
