@@ -144,7 +144,16 @@ def test_clamp(dtype, data):
 
     atol = resolution(dtype, max(float(x.scale), 1.0))
     out = check_scaled(fn, [lo, x, hi], dtype, ulps=0.5, atol=atol)
-    assert float(out[0].scale) == float(out[1].scale) == float(x.scale)
+    # x's scale, or that of a bound picked everywhere (the unit's own: 1)
+    values, lows, highs = (np.asarray(v.to_array(jnp.float32)) for v in (x, lo, hi))
+    assert float(out[0].scale) == _clamp_scale(values, lows, highs, lo.scale, x.scale, hi.scale)
+    assert float(out[1].scale) == _clamp_scale(values, -1.0, 1.0, 1.0, x.scale, 1.0)
+
+
+def _clamp_scale(values, lows, highs, *scales) -> float:
+    picks = np.where(values < lows, 0, np.where(values > highs, 2, 1)).ravel()
+    uniform = picks.size and np.all(picks == picks[0])
+    return float(scales[picks[0]] if uniform else scales[1])
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

@@ -253,3 +253,20 @@ def test_a_hand_written_clipping_factor_keeps_its_value(how):
     got, want = value64(js.scalify(clipped)(x)), reference64(clipped, x)
     # three float16 roundings: the norm, its reciprocal, the product
     assert relative_error(got, want) <= 3 * FLOAT16_EPS
+
+
+BOUNDED = {
+    "lax.clamp": lambda x: jax.lax.clamp(jnp.asarray(1e-3, x.dtype), x, jnp.asarray(2e-3, x.dtype)),
+    "jnp.clip": lambda x: jnp.clip(x, 1e-3, 2e-3),
+}
+
+
+@pytest.mark.parametrize("bound", sorted(BOUNDED))
+@pytest.mark.parametrize("how", HOW)
+def test_a_bound_far_below_the_data_that_is_picked_everywhere_keeps_its_value(bound, how):
+    """Positive data at 2^20 clipped to [1e-3, 2e-3] is 2e-3 everywhere: at the data's scale
+    that bound is 2^-29 of float16 data, zero, and lax.clamp returned zeros."""
+    values = jnp.abs(jax.random.normal(jax.random.key(6), (64, 512))) + 0.5
+    x = _float16(how, values, 2.0**20)
+    got, want = value64(js.scalify(BOUNDED[bound])(x)), reference64(BOUNDED[bound], x)
+    assert relative_error(got, want) <= FLOAT16_EPS  # the bound's own float16 rounding

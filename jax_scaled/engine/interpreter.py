@@ -256,7 +256,7 @@ def _needs_facts_inside(found: Any, in_slots: list[Slot]) -> bool:
     outputs."""
     if not found.has(Property.FACTS_INSIDE):
         return False
-    floats = (s for s in in_slots if jnp.issubdtype(s.value.dtype, jnp.floating))
+    floats = (s for s in in_slots if jnp.issubdtype(jnp.result_type(s.value), jnp.floating))
     return any(s.is_any_scale or s.constant is not None for s in floats)
 
 

@@ -253,19 +253,26 @@ def _extremum(primitive, x: Value, y: Value, **params) -> ScaledArray:
     """
     (dx, dy), scale = align_selection(x, y)
     out = ScaledArray(primitive.bind(dx, dy, **params), make_scale(scale, x, y))
-    cases = [as_scaled(c) for c in (y, x)]
-    per_tensor = all(np.ndim(c.scale) == 0 for c in cases)
-    mixed = has_static_scale(x) != has_static_scale(y)
-    if not per_tensor or out.size == 0 or out.size > 1 and not mixed:
+    if out.size > 1 and has_static_scale(x) == has_static_scale(y):
         return out
     # x where the output is x's aligned data; x's NaNs propagate, as in lax's max and min
     picks_x = (out.data == dx) | jnp.isnan(dx)
-    first = picks_x.reshape(-1)[0]
-    cases = [ScaledArray(jnp.broadcast_to(c.data, out.shape), c.scale) for c in cases]
-    whole = _whole_case(first.astype(np.int32), tuple(cases))
+    return _picked_whole(out, picks_x.astype(np.int32), (y, x))
+
+
+def _picked_whole(out: ScaledArray, picks: jax.Array, cases: tuple[Value, ...]) -> ScaledArray:
+    """``out``, or the case of ``cases`` that ``picks`` (its index, per element) names
+    everywhere at run time, whole: its data broadcast to ``out``'s shape, its own scale.
+    Per-tensor scales only (a block-scaled selection keeps ``out``)."""
+    scaled = [as_scaled(c) for c in cases]
+    if out.size == 0 or any(np.ndim(c.scale) for c in (out, *scaled)):
+        return out
+    first = picks.reshape(-1)[0]
+    scaled = [ScaledArray(jnp.broadcast_to(c.data, out.shape), c.scale) for c in scaled]
+    whole = _whole_case(first, tuple(scaled))
     if out.size == 1:
         return whole
-    uniform = jnp.all(picks_x == first)
+    uniform = jnp.all(picks == first)
     return ScaledArray(
         lax.select(uniform, whole.data, out.data), lax.select(uniform, whole.scale, out.scale)
     )
@@ -308,14 +315,19 @@ def select_n_rule(which: jax.Array, *cases: Value, **params) -> ScaledArray:
     lax.clamp_p, properties=_SELECTION | Property.POINTWISE, estimate=estimates.largest
 )
 def clamp_rule(lo: Value, x: Value, hi: Value, **params) -> ScaledArray:
-    """Scale of x: the bounds are brought to it in float32, clamped, rounded once."""
+    """Scale of x: the bounds are brought to it in float32, clamped, rounded once; a bound
+    picked everywhere is the output whole (at x's scale, one far below it flushed to zero:
+    ``lax.clamp(0.001, x, 0.002)`` of float16 data at 2^20)."""
     scale = scale_f32(x)
-    bounded = lax.clamp_p.bind(
-        wide_data(lo, scale), wide_data(x, scale), wide_data(hi, scale), **params
-    )
+    wide_lo, wide_x, wide_hi = (wide_data(v, scale) for v in (lo, x, hi))
+    bounded = lax.clamp_p.bind(wide_lo, wide_x, wide_hi, **params)
     if products_guarded(x.dtype):  # a bound far above x's scale leaves an 8-bit format
-        return guarded(bounded, scale, x.dtype, x, lo, hi)
-    return ScaledArray(bounded.astype(x.dtype), make_scale(scale, x, lo, hi))
+        out = guarded(bounded, scale, x.dtype, x, lo, hi)
+    else:
+        out = ScaledArray(bounded.astype(x.dtype), make_scale(scale, x, lo, hi))
+    # 0: lo, 1: x (NaNs too), 2: hi, as lax's clamp picks them
+    picks = jnp.where(wide_x < wide_lo, 0, jnp.where(wide_x > wide_hi, 2, 1))
+    return _picked_whole(out, picks.astype(np.int32), (lo, x, hi))
 
 
 @register_scale_rule(lax.nextafter_p, properties=Property.POINTWISE)
