@@ -210,12 +210,6 @@ def stop_gradient_rule(x: ScaledArray, **params) -> ScaledArray:
 # ---------------------------------------------------------------------------------------
 
 
-def _aligned(primitive, *xs: Value, **params) -> ScaledArray:
-    """Apply ``primitive`` to the data of ``xs`` aligned by :func:`align_selection`."""
-    datas, scale = align_selection(*xs)
-    return ScaledArray(primitive.bind(*datas, **params), make_scale(scale, *xs))
-
-
 @register_scale_rule(
     lax.max_p,
     properties=Property.FOLDS_SCALARS | _SELECTION,
@@ -301,14 +295,7 @@ def select_n_rule(which: jax.Array, *cases: Value, **params) -> ScaledArray:
     datas, scale = align_selection(*cases)
     out = ScaledArray(lax.select_n_p.bind(which, *datas, **params), make_scale(scale, *cases))
     mixed = any(has_static_scale(c) for c in cases) and not all(map(has_static_scale, cases))
-    if not mixed or np.size(which) == 0:
-        return out
-    first = which.reshape(-1)[0]
-    uniform = jnp.all(which == first)
-    whole = _whole_case(first, cases)
-    return ScaledArray(
-        lax.select(uniform, whole.data, out.data), lax.select(uniform, whole.scale, out.scale)
-    )
+    return _picked_whole(out, which, cases) if mixed else out
 
 
 @register_scale_rule(
