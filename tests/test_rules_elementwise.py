@@ -214,6 +214,42 @@ def test_powers_and_roots(dtype, data):
     ]
 
 
+NEGATIVE_POWERS = (-1, -2, -3)
+SPREAD = {  # data from deep in the format's range up: a negative power's largest datum
+    jnp.float16: 2.0**-14,  # 2^28 at y = -2, beyond float16
+    jnp.bfloat16: 2.0**-14,
+    jnp.float32: 2.0**-14,
+    jnp.float8_e4m3fn: 2.0**-6,  # 2^12 at y = -2, beyond E4M3's 448
+}
+
+
+@st.composite
+def spread_arrays(draw, shape, dtype, smallest: float) -> js.ScaledArray:
+    """Data of random signs and magnitudes log-uniform in ``[smallest, 4]``, ``smallest``
+    itself among them, at a random power-of-two scale."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    exponents = rng.uniform(np.log2(smallest), 2.0, shape)
+    exponents.flat[0] = np.log2(smallest)
+    magnitudes = np.exp2(exponents) * rng.choice([-1.0, 1.0], shape)
+    scale = np.float32(2.0 ** draw(st.integers(-30, 30)))
+    return js.ScaledArray(jax.device_put(magnitudes.astype(dtype)), jax.device_put(scale))
+
+
+@pytest.mark.parametrize("dtype", [*FLOAT_DTYPES, jnp.float8_e4m3fn])
+@given(data=st.data())
+def test_negative_powers_of_data_far_below_one_stay_finite(dtype, data):
+    """Unguarded, ``d^-2`` of float16 data below ``2^-8`` overflowed: the largest datum of a
+    negative power comes from the smallest ``|d|``."""
+    base = data.draw(spread_arrays(data.draw(shapes()), dtype, SPREAD[dtype]))
+    powers = run(lambda b: [lax.integer_pow(b, n) for n in NEGATIVE_POWERS], base)
+    for power, n in zip(powers, NEGATIVE_POWERS, strict=True):
+        assert np.all(np.isfinite(np.asarray(power.data, np.float32)))
+        # one scale for a power spanning more binades than the format's normal range: the
+        # smallest elements are kept to the format's resolution at that scale
+        want = value64(base) ** n
+        assert_close(power, want, dtype, ulps=3, atol=resolution(dtype, power.scale))
+
+
 # --- conversions ------------------------------------------------------------------------------
 
 NARROW = (jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn)

@@ -270,3 +270,31 @@ def test_a_bound_far_below_the_data_that_is_picked_everywhere_keeps_its_value(bo
     x = _float16(how, values, 2.0**20)
     got, want = value64(js.scalify(BOUNDED[bound])(x)), reference64(BOUNDED[bound], x)
     assert relative_error(got, want) <= FLOAT16_EPS  # the bound's own float16 rounding
+
+
+# --- a division differentiated: the denominator's gradient is a negative power ---------------
+
+
+@pytest.mark.parametrize("scale", [2.0**-20, 2.0**20])
+@pytest.mark.parametrize("how", HOW)
+def test_the_gradient_of_a_division_by_a_spread_denominator_is_finite(scale, how):
+    """``jax.grad`` of ``x / y`` with respect to ``y`` is ``-x * y**-2``, an ``integer_pow``
+    of exponent -2. Of a denominator whose float16 data spans 2^-10 to 2^2, that power's data
+    reached 2^20 and overflowed, unguarded: the gradient held infinities at every scale."""
+    keys = jax.random.split(jax.random.key(7))
+    y = _float16(how, jnp.exp2(jax.random.uniform(keys[0], (64, 512), minval=-10, maxval=2)), scale)
+    x = _float16(how, jax.random.normal(keys[1], (64, 512)), 1.0)
+    grad = jax.grad(lambda y, x: jnp.sum(x / y))
+    got, want = value64(js.scalify(grad)(y, x)), reference64(grad, y, x)
+    assert relative_error(got, want) <= 2 * FLOAT16_EPS  # the power's rounding, the product's
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_the_gradient_of_soft_sign_is_finite(how):
+    """``jax.nn.soft_sign`` is ``x / (|x| + 1)``: at 2^10 the denominator's data spans 2^-10
+    to 2^2, and its gradient held infinities (see above). Within two float16 roundings of
+    the float64 gradient on the same values."""
+    x = _float16(how, jax.random.normal(jax.random.key(8), (64, 512)), 2.0**10)
+    grad = jax.grad(lambda x: jnp.sum(jax.nn.soft_sign(x)))
+    got, want = value64(js.scalify(grad)(x)), reference64(grad, x)
+    assert relative_error(got, want) <= 2 * FLOAT16_EPS

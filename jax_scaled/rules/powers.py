@@ -25,6 +25,7 @@ from jax_scaled.scales import (
     centred,
     guard_band,
     guard_factors,
+    guarded,
     make_scale,
     products_guarded,
     scale_f32,
@@ -56,7 +57,13 @@ def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     ``y >= 2`` into float16 or float8, a power of two ``2^t`` is first moved from the data
     into the scale (value unchanged) whenever the largest ``|d|^y`` would leave the guard
     band; ``t`` puts ``max |d|`` in ``[1, 2)``. Healthy data gives the static result.
+    A negative power's largest datum comes from the smallest ``|d|``, which the largest one
+    does not bound: it is formed in float32 and guarded like a quotient (``jax.grad`` of a
+    division by a traced denominator takes ``integer_pow(denominator, -2)``, which
+    overflowed float16 data of the denominator below ``2^-8``).
     """
+    if y < 0 and guard_band(x.dtype) is not None:
+        return _negative_power_guarded(x, y)
     wide, scale = widened(x.data), scale_f32(x)
     factors = _power_guard_factors(wide, x.dtype, y)
     if factors is not None:
@@ -68,15 +75,24 @@ def integer_pow_rule(x: ScaledArray, *, y: int, **params) -> ScaledArray:
     return ScaledArray(data.astype(x.dtype), make_scale(scale, x))
 
 
+def _negative_power_guarded(x: ScaledArray, y: int) -> ScaledArray:
+    """``x^y`` for ``y < 0`` into a guarded format: float32 data, then the range guard of a
+    quotient (:func:`~jax_scaled.scales.guard.guarded`; 8-bit data centred)."""
+    data, scale = _power_with_scale_in_range(widened(x.data), scale_f32(x), y)
+    if products_guarded(x.dtype):
+        return centred(data, scale, x.dtype, x)
+    return guarded(data, scale, x.dtype, x)
+
+
 def _power_with_scale_in_range(
     wide: jax.Array, scale: jax.Array, y: int
 ) -> tuple[jax.Array, jax.Array]:
-    """``(wide^y, scale^y)``; for ``y >= 3`` (a gelu's cube), an exponent of ``scale^y`` beyond
-    float32's normal range stays in the data instead (exact: a power of two), so a value
-    float32 holds (``2^130`` data ``0.01``) does not get an infinite scale, whose zeros would
-    turn into NaN. A square's scale leaves the range only for values near ``2^64``: left as
-    is, its scalar chain costs nothing more in every Adam update."""
-    if y < 3:
+    """``(wide^y, scale^y)``; for ``y >= 3`` (a gelu's cube) and ``y < 0``, an exponent of
+    ``scale^y`` beyond float32's normal range stays in the data instead (exact: a power of
+    two), so a value float32 holds (``2^130`` data ``0.01``) does not get an infinite scale,
+    whose zeros would turn into NaN. A square's scale leaves the range only for values near
+    ``2^64``: left as is, its scalar chain costs nothing more in every Adam update."""
+    if 0 <= y < 3:
         return lax.integer_pow(wide, y), lax.integer_pow(scale, y)
     exponent = lax.mul(pow2_exponent(scale), np.int32(y))
     kept = lax.clamp(np.int32(MIN_SCALE_EXPONENT), exponent, np.int32(126))
