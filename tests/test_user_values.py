@@ -298,3 +298,54 @@ def test_the_gradient_of_soft_sign_is_finite(how):
     grad = jax.grad(lambda x: jnp.sum(jax.nn.soft_sign(x)))
     got, want = value64(js.scalify(grad)(x)), reference64(grad, x)
     assert relative_error(got, want) <= 2 * FLOAT16_EPS
+
+
+# --- a transcendental of an elementwise expression: its value, not its float16 data ----------
+
+EXPRESSIONS = {
+    "jax.nn.gelu": jax.nn.gelu,  # tanh(c * (x + 0.044715 * x**3))
+    "jax.nn.gelu, exact": functools.partial(jax.nn.gelu, approximate=False),
+    "a Gaussian kernel": lambda x: jnp.exp(-x * x),
+}
+
+
+def _assert_large_elements_within(got: np.ndarray, want: np.ndarray, tolerance: float) -> None:
+    """Relative ``tolerance`` on the elements within 2^-10 of the largest magnitude (float16
+    holds them to full precision at the output's scale, whatever that is); an all-zero
+    ``want`` (a Gaussian of inputs around 2^20) must come out all zero."""
+    if not np.any(want):
+        np.testing.assert_array_equal(got, 0)
+        return
+    large = np.abs(want) >= np.max(np.abs(want)) * 2.0**-10
+    assert np.max(np.abs(got - want)[large] / np.abs(want)[large]) <= tolerance
+
+
+@pytest.mark.parametrize("expression", sorted(EXPRESSIONS))
+@pytest.mark.parametrize("scale", [2.0**-20, 2.0**10, 2.0**20])
+@pytest.mark.parametrize("how", HOW)
+def test_a_transcendental_of_an_expression_reads_its_value(expression, scale, how):
+    """At 2^10 the float16 data of gelu's ``x + 0.044715 * x**3`` spans 2^60 at one scale, so
+    its moderate elements were zero, and tanh of them 0 where it is 1: gelu of 7.64 was 3.82,
+    and exp(-x * x) of 2.33 was 0.0067 where it is 0.0043. Each element within one float16
+    rounding of its float64 value."""
+    fn = EXPRESSIONS[expression]
+    x = _float16(how, jax.random.normal(jax.random.key(9), (64, 512)), scale)
+    got, want = value64(js.scalify(fn)(x)), reference64(fn, x)
+    _assert_large_elements_within(got, want, FLOAT16_EPS)
+
+
+@pytest.mark.parametrize("expression", sorted(EXPRESSIONS))
+@pytest.mark.parametrize("scale", [2.0**-20, 2.0**20])
+@pytest.mark.parametrize("how", HOW)
+def test_the_gradient_of_a_transcendental_of_an_expression_is_right(expression, scale, how):
+    """gelu's gradient at 2^20 was 10^9 times too large (its tanh was 0 where it is 1, and
+    ``1 - tanh**2`` was 1 where it is 0). Within four float16 roundings (normwise, as the
+    coverage suites); a zero gradient (the Gaussian's at 2^20) exactly."""
+    fn = EXPRESSIONS[expression]
+    x = _float16(how, jax.random.normal(jax.random.key(9), (64, 512)), scale)
+    grad = jax.grad(lambda x: jnp.sum(fn(x)))
+    got, want = value64(js.scalify(grad)(x)), reference64(grad, x)
+    if not np.any(want):
+        np.testing.assert_array_equal(got, 0)
+    else:
+        assert relative_error(got, want) <= 4 * FLOAT16_EPS

@@ -53,6 +53,7 @@ from jax_scaled.engine.registry import Property, record
 from jax_scaled.engine.together import SharedWork
 from jax_scaled.engine.tracing import Traced, bind_eqn, call_traced, evaluate_jaxpr
 from jax_scaled.scales.geometry import is_blocked
+from jax_scaled.scales.wide import record_chain
 
 
 def scalify(fn: Callable, *, config: ScalifyConfig | None = None) -> Callable:
@@ -208,6 +209,7 @@ def interpret_eqn(eqn: jxi.JaxprEqn, in_slots: list[Slot]) -> list[Slot]:
         else:
             invals = operands_computed_together(eqn.primitive, invals)
             outs = found.rule(*invals, **eqn.params)
+            record_chain(eqn.primitive, eqn.params, invals, outs)
     out_slots = scalar_chains_bounded(in_slots, rule_output_slots(eqn, outs, fell_back))
     if finer is None:
         return out_slots

@@ -45,6 +45,7 @@ from jax_scaled.scales import (
     to_compute,
     wide_data,
 )
+from jax_scaled.scales.wide import wide_value
 
 ScaleEstimate = Callable[[jax.Array], jax.Array]
 
@@ -79,7 +80,7 @@ def _evaluate(primitive, x: Value, estimate: ScaleEstimate, params: dict, bound:
     """Bind ``primitive`` on the represented value in the compute dtype; re-split at
     ``estimate(input scale)``."""
     x = as_scaled(x)
-    value = primitive.bind(to_compute(x), **params)
+    value = primitive.bind(wide_value(x), **params)
     return _resplit(value, estimate(scale_f32(x)), x.dtype, x, bound=bound)
 
 
