@@ -30,6 +30,7 @@ from jax import lax
 from jax_scaled import _jax_internals as jxi
 from jax_scaled import context
 from jax_scaled.array import ScaledArray, Value
+from jax_scaled.dtypes import is_narrow_float
 from jax_scaled.scales.values import to_compute
 
 CHAIN_PRIMITIVES = frozenset(
@@ -66,8 +67,12 @@ def record_chain(primitive: Any, params: dict, operands: Sequence[Value], out: A
         ...     wide_value(cube).tolist()
         [1.152921504606847e+18, 1.0]
     """
+    if primitive not in CHAIN_PRIMITIVES or not _narrow_per_tensor(out):
+        return
+    # The call's memo dict itself, not memo.memoized: that keeps only traced keys, and a
+    # call evaluated eagerly must read the same values as a jitted one.
     memo = context.current().memo
-    if memo is None or primitive not in CHAIN_PRIMITIVES or not _narrow_per_tensor(out):
+    if memo is None:
         return
     if not all(_per_tensor_float32_compute(v) for v in operands):
         return
@@ -87,8 +92,7 @@ def wide_value(x: Value) -> jax.Array:
     if chain is None:
         return to_compute(x)
     if chain.value is None:
-        wides = [wide_value(v) if isinstance(v, ScaledArray) else _plain_wide(v)
-                 for v in chain.operands]  # fmt: skip
+        wides = [wide_value(v) for v in chain.operands]  # a plain operand: to_compute
         chain.value = chain.primitive.bind(*wides, **chain.params)
     return chain.value
 
@@ -113,8 +117,7 @@ def _narrow_per_tensor(x: Any) -> bool:
         isinstance(x, ScaledArray)
         and not isinstance(x.data, np.ndarray)
         and x.scale.ndim == 0
-        and jnp.issubdtype(x.dtype, jnp.floating)
-        and jnp.finfo(x.dtype).bits < 32
+        and is_narrow_float(x.dtype)
     )
 
 
@@ -124,8 +127,3 @@ def _per_tensor_float32_compute(x: Any) -> bool:
         return False
     dtype = jnp.result_type(x.dtype if hasattr(x, "dtype") else x)
     return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits <= 32
-
-
-def _plain_wide(x: Any) -> jax.Array:
-    x = jnp.asarray(x)
-    return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
