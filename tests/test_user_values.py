@@ -324,10 +324,10 @@ def _assert_large_elements_within(got: np.ndarray, want: np.ndarray, tolerance: 
 @pytest.mark.parametrize("scale", [2.0**-20, 2.0**10, 2.0**20])
 @pytest.mark.parametrize("how", HOW)
 def test_a_transcendental_of_an_expression_reads_its_value(expression, scale, how):
-    """At 2^10 the float16 data of gelu's ``x + 0.044715 * x**3`` spans 2^60 at one scale, so
-    its moderate elements were zero, and tanh of them 0 where it is 1: gelu of 7.64 was 3.82,
-    and exp(-x * x) of 2.33 was 0.0067 where it is 0.0043. Each element within one float16
-    rounding of its float64 value."""
+    """At 2^10 gelu's ``x + 0.044715 * x**3`` spans more binades than one float16 scale holds,
+    so its moderate elements were zero, and tanh of them 0 where it is 1: gelu of 7.64 was
+    3.82, and exp(-x * x) of 2.33 was 0.0067 where it is 0.0043. Each element within one
+    float16 rounding of its float64 value."""
     fn = EXPRESSIONS[expression]
     x = _float16(how, jax.random.normal(jax.random.key(9), (64, 512)), scale)
     got, want = value64(js.scalify(fn)(x)), reference64(fn, x)
