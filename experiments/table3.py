@@ -188,7 +188,8 @@ def all_finite(*trees: Any) -> jax.Array:
 def make_optimizer(config: TrainConfig, precision: Precision) -> optax.GradientTransformation:
     """Adam with linear warmup and cosine decay after clipping the gradients' global norm;
     scalify configurations store its state with :func:`jax_scaled.optim.scaled_state`: scaled
-    float16 for FP16 state, float32 otherwise (both computed in plain float32)."""
+    float16 for FP16 state (flat: a buffer per block length), float32 otherwise (both computed
+    in plain float32)."""
     warmup = max(1, round(config.warmup_fraction * config.steps))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.learning_rate, warmup, max(config.steps, warmup + 1),
@@ -199,7 +200,10 @@ def make_optimizer(config: TrainConfig, precision: Precision) -> optax.GradientT
         adam = optax.chain(optax.clip_by_global_norm(config.clip_norm), adam)
     if precision.scalify:
         return js.optim.scaled_state(
-            adam, precision.state_dtype, rescale_grads=precision.rescale_grads
+            adam,
+            precision.state_dtype,
+            rescale_grads=precision.rescale_grads,
+            flat=precision.state_dtype != F32,  # one buffer per block length: fewer kernels
         )
     return adam
 

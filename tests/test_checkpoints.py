@@ -112,6 +112,18 @@ def test_block_scaled_e8m0_state_resumes_exactly(tmp_path, checkpointer):
 
 
 @pytest.mark.parametrize("checkpointer", [ocp.StandardCheckpointer, ocp.PyTreeCheckpointer])
+def test_flat_state_resumes_exactly(tmp_path, checkpointer):
+    opt = js.optim.scaled_state(optax.adam(1e-2), flat=True)
+    opt_state, params = opt.init(plain_params()), js.as_scaled_array(plain_params())
+    state = check_resumes(
+        tmp_path / "ckpt", make_step(opt), (params, opt_state), batch(), checkpointer=checkpointer
+    )
+    assert isinstance(state[1], js.optim.FlatState)
+    assert state[1].tree[0].mu["w1"] == opt_state.tree[0].mu["w1"]  # where each leaf lives
+    assert state[1].expanded()[0].nu["w1"].data.dtype == jnp.float16
+
+
+@pytest.mark.parametrize("checkpointer", [ocp.StandardCheckpointer, ocp.PyTreeCheckpointer])
 def test_mxfp8_value_keeps_its_dtypes_and_block_scales(tmp_path, checkpointer):
     x = js.quantize(jax.random.normal(jax.random.key(2), (4, 64)), js.formats.MXFP8_E4M3, axis=-1)
     restored = save_restore(tmp_path / "ckpt", {"x": x}, checkpointer)["x"]

@@ -40,8 +40,16 @@ step, and nothing re-centres the data.
 :func:`scaled_state` computes in float32 data, stores in ``dtype`` and rescales.
 """
 
+from jax_scaled.optim.flat import FlatState
 from jax_scaled.optim.master import apply_updates, as_master
 from jax_scaled.optim.nonfinite import skip_nonfinite
 from jax_scaled.optim.state import scaled_state, state_bytes
 
-__all__ = ["apply_updates", "as_master", "scaled_state", "skip_nonfinite", "state_bytes"]
+__all__ = [
+    "FlatState",
+    "apply_updates",
+    "as_master",
+    "scaled_state",
+    "skip_nonfinite",
+    "state_bytes",
+]

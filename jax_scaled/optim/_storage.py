@@ -24,7 +24,7 @@ from jax_scaled.engine.registry import register_block_rule, register_scale_rule
 from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.ops.rescale import dynamic_rescale_rule
 from jax_scaled.primitives import stop_scaling
-from jax_scaled.quantize import quantize_read_elsewhere
+from jax_scaled.quantize import quantize, quantize_read_elsewhere
 from jax_scaled.rules.casts import saturate
 from jax_scaled.scales import as_scaled
 from jax_scaled.tree import tree_leaves, tree_map
@@ -203,6 +203,17 @@ def storage_blocks(shape: tuple[int, ...], block_size: int | None) -> tuple[int,
     return tuple(blocks)
 
 
+def stores_in_blocks(dtype: DTypeLike) -> bool:
+    """False for a dtype that :func:`stored` keeps at unit scale (float32 and wider: a scale
+    would add arithmetic, not range), True for the narrow ones it quantizes.
+
+    Example:
+        >>> stores_in_blocks(jnp.float16), stores_in_blocks(jnp.float32)
+        (True, False)
+    """
+    return not (jnp.finfo(dtype).bits >= 32 and computes_plain(dtype))
+
+
 def stored(
     x: jax.Array,
     dtype: DTypeLike,
@@ -226,7 +237,7 @@ def stored(
     """
     if jnp.ndim(x) == 0:  # a hyperparameter or a scalar's moment: costs nothing in float32
         dtype = wider_dtype(dtype, jnp.float32)
-    if jnp.finfo(dtype).bits >= 32 and computes_plain(dtype):
+    if not stores_in_blocks(dtype):
         return unit_scaled(x, dtype, scale_dtype)
     blocks = storage_blocks(jnp.shape(x), block_size)
     if blocks is not None:
@@ -239,6 +250,22 @@ def stored(
             exact_subnormals=exact_subnormals,
         )
     return saturate(centred(x, rescale, scale_dtype), dtype).astype(dtype)
+
+
+def stored_buffer(
+    x: jax.Array, dtype: DTypeLike, length: int, scale_dtype: DTypeLike | None = None
+) -> jax.Array:
+    """A flat buffer of state leaves (:mod:`jax_scaled.optim.flat`) as :func:`stored` stores
+    each of them: quantized to ``dtype`` in blocks of ``length`` elements, ``"rceil"``; ``x``
+    comes from an update's float32 arithmetic (see :func:`stored`)."""
+    return quantize(
+        x,
+        dtype,
+        block_shape=(length,),
+        scale_rounding="rceil",
+        scale_dtype=scale_dtype,
+        exact_subnormals=False,
+    )
 
 
 def stored_tree(

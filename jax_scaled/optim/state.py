@@ -22,13 +22,18 @@ from jax_scaled.optim._storage import (
     plain_tree,
     promote_plain,
     rescaled,
-    stored_tree,
+    stored,
+    stored_buffer,
+    stores_in_blocks,
     to_storage,
     unit_scaled,
     wider_dtype,
 )
+from jax_scaled.optim.flat import FlatState, block_length, expanded, flattened
 from jax_scaled.pow2.xla import stored_once
 from jax_scaled.tree import tree_leaves, tree_map
+
+F32 = jnp.dtype(jnp.float32)
 
 
 def scaled_state(
@@ -40,6 +45,7 @@ def scaled_state(
     compute_dtype: DTypeLike | None = jnp.float32,
     scale_dtype: DTypeLike | None = None,
     block_size: int | None = 32,
+    flat: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an optax transformation so that its state is kept as scaled ``dtype`` data.
 
@@ -101,6 +107,13 @@ def scaled_state(
             one 1/64); ``None`` stores one scale per leaf, data re-centred with ``rescale``
             (the layout of jax_scaled before block storage; it flushes second moments of
             large, heavy-tailed gradients).
+        flat: keep the leaves stored in blocks of the same length as one buffer per length
+            (a :class:`~jax_scaled.optim.flat.FlatState`; its ``expanded()`` gives the state
+            tree back, leaf for leaf). The same data and scales, bit for bit, in a program with
+            a few kernels for the whole state where it had a few per leaf (a 4-layer GPT
+            step: 10% fewer HLO instructions). For one device or a replicated state: the
+            buffers join leaves that a sharded model would shard apart. Counts, scalars and
+            hyperparameters stay in the tree, readable by name.
 
     Returns:
         An optax ``GradientTransformationExtraArgs`` (extra arguments of ``update`` are passed
@@ -127,12 +140,36 @@ def scaled_state(
     compute_dtype = None if compute_dtype is None else float_dtype(compute_dtype)
     check_rescale(rescale)
     grad_rescale = (rescale or "l2") if rescale_grads else None
+    joined_blocks = block_size if stores_in_blocks(dtype) else None  # what flat joins
 
     def init(params: optax.Params) -> optax.OptState:
         state = call_scaled(inner.init, params)
-        return to_storage(state, dtype, rescale, scale_dtype, block_size)
+        state = to_storage(state, dtype, rescale, scale_dtype, block_size)
+        return call_scaled(flattened, state, joined_blocks, _kept) if flat else state
+
+    def store(tree: Any) -> Any:
+        # The new state is the update's float32 arithmetic: no subnormal where it flushes.
+        def leaf(x: Any, length: int | None = None) -> Any:
+            if length is None:
+                return stored(x, dtype, rescale, block_size, scale_dtype, exact_subnormals=False)
+            return stored_buffer(x, dtype, length, scale_dtype)
+
+        if not flat:
+            return tree_map(lambda x: leaf(x) if is_float(x) else x, tree)
+
+        def joinable(x: Any) -> Any:  # narrow data would lose its leaf's scale in a join
+            return _widened(x, F32) if block_length(x, joined_blocks) else x
+
+        return flattened(tree_map(joinable, tree), joined_blocks, leaf)
 
     def traced_update(grads, state, params, extra_args):
+        if flat != isinstance(state, FlatState):
+            raise TypeError(
+                f"scaled_state(flat={flat}) was given a state of the other layout "
+                f"({type(state).__name__}): pass the state its own init returned."
+            )
+        if flat:
+            state = expanded(state)
         if computes_plain(compute_dtype):
             grads, state, params = (plain_tree(t, compute_dtype) for t in (grads, state, params))
             # Read by every stage of the update (the global norm, each moment): stored once,
@@ -148,11 +185,7 @@ def scaled_state(
             # wide parameters keep that computation in compute_dtype as well.
             params = tree_map(lambda p: _widened(p, compute_dtype), params)
             updates, new_state = inner.update(grads, state, params, **extra_args)
-        # The new state is the update's float32 arithmetic: no subnormal where it flushes.
-        new_state = stored_tree(
-            new_state, dtype, rescale, block_size, scale_dtype, exact_subnormals=False
-        )
-        return updates, new_state
+        return updates, store(new_state)
 
     def update(grads, state, params=None, **extra_args):
         updates, new_state = call_scaled(traced_update, grads, state, params, extra_args)
@@ -160,6 +193,10 @@ def scaled_state(
 
     SCALED_STATE_UPDATES.add(update)
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _kept(x: Any, _: int | None) -> Any:
+    return x
 
 
 def _widened(x: Any, compute_dtype: jnp.dtype | None) -> Any:
