@@ -24,7 +24,7 @@ from jax_scaled.engine.registry import register_block_rule, register_scale_rule
 from jax_scaled.ops.blocks import merge_blocks
 from jax_scaled.ops.rescale import dynamic_rescale_rule
 from jax_scaled.primitives import stop_scaling
-from jax_scaled.quantize import quantize, quantize_read_elsewhere
+from jax_scaled.quantize import quantize_read_elsewhere
 from jax_scaled.rules.casts import saturate
 from jax_scaled.scales import as_scaled
 from jax_scaled.tree import tree_leaves, tree_map
@@ -257,8 +257,15 @@ def stored_buffer(
 ) -> jax.Array:
     """A flat buffer of state leaves (:mod:`jax_scaled.optim.flat`) as :func:`stored` stores
     each of them: quantized to ``dtype`` in blocks of ``length`` elements, ``"rceil"``; ``x``
-    comes from an update's float32 arithmetic (see :func:`stored`)."""
-    return quantize(
+    comes from an update's float32 arithmetic (see :func:`stored`). XLA writes the joined
+    leaves out itself, so the quantization stores no copy of its own (a pass over the state).
+
+    Example:
+        >>> q = stored_buffer(jnp.arange(64.0), jnp.float16, 32)
+        >>> q.data.dtype, q.scale.tolist()
+        (dtype('float16'), [2.0, 4.0])
+    """
+    return quantize_read_elsewhere(
         x,
         dtype,
         block_shape=(length,),
