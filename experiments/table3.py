@@ -78,6 +78,7 @@ class Precision:
     block: Any = None  # a js.nn.BlockRecipe for the model's weight matmuls (gpt.Numerics)
     rescale_layernorm_grad: bool = False
     rescale_grads: bool = False  # dynamic rescale of the gradients entering the optimizer
+    flat_state: bool = False  # scaled_state(flat=True): state leaves in one buffer per block
     loss_scaling: bool = False
 
     @property
@@ -102,9 +103,9 @@ PRECISIONS: dict[str, Precision] = {
         Precision("fp8_scalify", "#3", F16, F16, scalify=True, fp8_matmuls=True,
                   rescale_layernorm_grad=True),
         Precision("fp8_scalify_fp16_opt", "#4", F16, F16, F16, scalify=True, fp8_matmuls=True,
-                  rescale_layernorm_grad=True, rescale_grads=True),
+                  rescale_layernorm_grad=True, rescale_grads=True, flat_state=True),
         Precision("fp8_policy_scalify", "", F16, F16, F16, scalify=True, fp8_policy=True,
-                  rescale_grads=True),
+                  rescale_grads=True, flat_state=True),
         Precision("mxfp8_scalify", "", F16, F16, F32, scalify=True, block=js.nn.MXFP8,
                   rescale_layernorm_grad=True),
         Precision("fp8_block128_scalify", "", F16, F16, F32, scalify=True,
@@ -188,8 +189,8 @@ def all_finite(*trees: Any) -> jax.Array:
 def make_optimizer(config: TrainConfig, precision: Precision) -> optax.GradientTransformation:
     """Adam with linear warmup and cosine decay after clipping the gradients' global norm;
     scalify configurations store its state with :func:`jax_scaled.optim.scaled_state`: scaled
-    float16 for FP16 state (flat: a buffer per block length), float32 otherwise (both computed
-    in plain float32)."""
+    float16 for FP16 state (flat: one buffer per block length), float32 otherwise (both
+    computed in plain float32)."""
     warmup = max(1, round(config.warmup_fraction * config.steps))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.learning_rate, warmup, max(config.steps, warmup + 1),
@@ -203,7 +204,7 @@ def make_optimizer(config: TrainConfig, precision: Precision) -> optax.GradientT
             adam,
             precision.state_dtype,
             rescale_grads=precision.rescale_grads,
-            flat=precision.state_dtype != F32,  # one buffer per block length: fewer kernels
+            flat=precision.flat_state,
         )
     return adam
 

@@ -2,6 +2,9 @@
 block length. The buffers must hold the very data and scales of the per-leaf layout, train
 the same way, keep the state readable, and cost a few kernels whatever the leaf count."""
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,7 +91,10 @@ def test_leaves_of_a_block_length_share_a_buffer_and_the_rest_stay_in_the_tree()
     layered = js.optim.scaled_state(optax.adam(1e-3), jnp.float16).init(
         {"w": jnp.ones((64, 128)), "head": jnp.ones((128, 65)), "s": jnp.ones(())}
     )
-    assert js.optim.state_bytes(state) == js.optim.state_bytes(layered)
+    offsets = 4 * 4  # an int32 offset per leaf in a buffer
+    assert js.optim.state_bytes(state) == js.optim.state_bytes(layered) + offsets
+    slots = (adam.mu["head"], adam.mu["w"], adam.nu["head"], adam.nu["w"])
+    assert [int(o) for o in state.offsets] == [x.offset for x in slots]
 
 
 def test_a_float32_state_has_no_buffers():
@@ -166,7 +172,7 @@ def test_hyperparameters_stay_readable_and_settable_by_name():
     state = opt.init(mlp_params())
     assert float(js.asarray(state.tree.hyperparams["learning_rate"])) == pytest.approx(1e-3)
     zero_lr = state.tree.hyperparams | {"learning_rate": js.as_scaled_array(jnp.float32(0.0))}
-    state = FlatState(state.tree._replace(hyperparams=zero_lr), state.buffers)
+    state = dataclasses.replace(state, tree=state.tree._replace(hyperparams=zero_lr))
     grads = js.as_scaled_array(float16_gradients(1)[0])
     updates, _ = jax.jit(js.scalify(opt.update))(grads, state, js.as_scaled_array(mlp_params()))
     assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(js.asarray(updates)))
@@ -199,3 +205,30 @@ def test_a_state_of_the_other_layout_is_refused():
         jax.jit(js.scalify(flat.update))(grads, per_leaf.init(params))
     with pytest.raises(TypeError, match="flat=False.*FlatState"):
         jax.jit(js.scalify(per_leaf.update))(grads, flat.init(params))
+
+
+def distinct(computations: list[list[str]]) -> int:
+    """How many of ``computations`` differ once their instructions' names are numbered in
+    order: XLA:CPU compiles one kernel for all fusions of one computation."""
+
+    def canonical(lines: list[str]) -> str:
+        names: dict[str, str] = {}
+        text = "\n".join(line.split(", metadata=")[0] for line in lines)
+        return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%{len(names)}"), text)
+
+    return len({canonical(lines) for lines in computations})
+
+
+def test_the_leaves_of_one_shape_are_read_by_one_compiled_computation():
+    """Each leaf is read from its buffer at an offset the step is given, not a constant of
+    the program, so the kernels of equal-shaped leaves are one computation to compile (XLA
+    numbers one of the 8 leaves' operands apart: two computations per kind of kernel)."""
+    params = {f"b{i}": jnp.zeros((4, 128)) for i in range(8)}
+    opt = js.optim.scaled_state(optax.adam(1e-3), jnp.float16, flat=True)
+    grads = js.as_scaled_array(jax.tree.map(lambda p: p.astype(jnp.float16) + 1, params))
+    args = (grads, opt.init(params), js.as_scaled_array(params))
+    computations = compiled_computations(js.scalify(opt.update), *args)
+    buffer = f"f16[{2 * 8 * 4 * 128}]"  # the moments' data
+    readers = [c for c in computations.values() if any(f"{buffer}{{0}} parameter" in x for x in c)]
+    assert len(readers) >= 8  # a kernel per leaf at least
+    assert 3 * distinct(readers) <= len(readers)  # at static offsets: as many as readers

@@ -7,6 +7,9 @@ the blocks of a buffer that concatenates such leaves are the leaves' own blocks:
 holds the same data and scales, bit for bit. What changes is the program: a train step writes
 each output array with a kernel of its own, and the largest magnitudes of its blocks with
 another, so a state of many small leaves costs kernels per leaf; a buffer costs them once.
+The update still reads each leaf on its own, at an offset the step is given
+(:func:`expanded_plain`), so that the reading kernels of equal-shaped leaves stay one
+computation for XLA to compile.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.typing import DTypeLike
 
-from jax_scaled.optim._storage import call_scaled, is_float, storage_blocks
+from jax_scaled.optim._storage import call_scaled, is_float, storage_blocks, wider_dtype
+from jax_scaled.primitives import stop_scaling
 
 
 @jax.tree_util.register_static
@@ -41,6 +47,8 @@ class FlatState:
     ``tree`` is the inner transformation's state with each of those leaves replaced by an
     :class:`InBuffer` that says where it lives (its counts, hyperparameters and scalars stay
     there, readable by name). :meth:`expanded` gives the state with its leaves back.
+    ``offsets`` holds each ``InBuffer``'s offset again, as an int32 array (see
+    :func:`expanded_plain`).
 
     Example:
         >>> import optax
@@ -56,14 +64,15 @@ class FlatState:
 
     tree: Any
     buffers: tuple[Any, ...]
+    offsets: tuple[Any, ...]
 
     def tree_flatten(self):
-        return (self.tree, self.buffers), None
+        return (self.tree, self.buffers, self.offsets), None
 
     @classmethod
     def tree_unflatten(cls, _, children):
-        tree, buffers = children
-        return cls(tree, tuple(buffers))
+        tree, buffers, offsets = children
+        return cls(tree, tuple(buffers), tuple(offsets))
 
     def expanded(self) -> Any:
         """The state as the inner transformation keeps it: every leaf in place (slices of
@@ -87,6 +96,31 @@ def expanded(state: FlatState) -> Any:
     return jax.tree.map(leaf, state.tree, is_leaf=_in_buffer)
 
 
+def expanded_plain(state: FlatState, dtype: DTypeLike) -> Any:
+    """The state's leaves as plain values in (at least) ``dtype`` (traced, inside
+    ``scalify``), each read from its buffer at its offset in ``state.offsets``.
+
+    XLA:CPU compiles a kernel once for all kernels of the same computation, and a static
+    slice's offset is part of the computation: read at static offsets, each leaf's kernels
+    were kernels of their own to compile (an 8-layer GPT step compiled 15% slower than with
+    per-leaf storage). Read at an offset that the step is given, the kernels of leaves of
+    one shape are one computation again, compiled once.
+    """
+    plain = [stop_scaling(b, wider_dtype(b.dtype, dtype)) for b in state.buffers]
+    offsets = iter(state.offsets)
+
+    def leaf(x: Any) -> Any:
+        if not isinstance(x, InBuffer):
+            return x
+        size = math.prod(x.shape)
+        part = lax.dynamic_slice_in_dim(
+            plain[x.buffer], next(offsets), size, allow_negative_indices=False
+        )
+        return part.reshape(x.shape)
+
+    return jax.tree.map(leaf, state.tree, is_leaf=_in_buffer)
+
+
 def block_length(x: Any, block_size: int | None) -> int | None:
     """The length of a stored leaf's (contiguous) blocks; None for a leaf stored alone
     (scalars, integers, one scale per leaf).
@@ -102,25 +136,31 @@ def block_length(x: Any, block_size: int | None) -> int | None:
 
 
 def flattened(
-    tree: Any, block_size: int | None, store: Callable[[Any, int | None], Any]
+    tree: Any,
+    block_size: int | None,
+    store: Callable[[Any, int | None], Any],
+    offsets: tuple[Any, ...] | None = None,
 ) -> FlatState:
     """``tree`` (a state's new values, traced) as a :class:`FlatState`: its leaves of each
     block length concatenated and stored by ``store(buffer, block_length)``; the other
-    floating leaves stored by ``store(leaf, None)``."""
+    floating leaves stored by ``store(leaf, None)``. ``offsets``: the previous state's, kept
+    (the same layout; passed through, they are not constants of the step)."""
     leaves, treedef = jax.tree.flatten(tree)
     lengths = [block_length(x, block_size) for x in leaves]
     order = sorted({n for n in lengths if n is not None})
     parts: dict[int, list[Any]] = {n: [] for n in order}
-    offsets = dict.fromkeys(order, 0)
+    ends = dict.fromkeys(order, 0)
     for i, (leaf, n) in enumerate(zip(leaves, lengths, strict=True)):
         if n is None:
             leaves[i] = store(leaf, None) if is_float(leaf) else leaf
             continue
-        leaves[i] = InBuffer(order.index(n), offsets[n], tuple(jnp.shape(leaf)))
-        offsets[n] += math.prod(jnp.shape(leaf))
+        leaves[i] = InBuffer(order.index(n), ends[n], tuple(jnp.shape(leaf)))
+        ends[n] += math.prod(jnp.shape(leaf))
         parts[n].append(jnp.reshape(leaf, (-1,)))
     buffers = tuple(store(_joined(parts[n]), n) for n in order)
-    return FlatState(jax.tree.unflatten(treedef, leaves), buffers)
+    if offsets is None:
+        offsets = tuple(jnp.int32(x.offset) for x in leaves if isinstance(x, InBuffer))
+    return FlatState(jax.tree.unflatten(treedef, leaves), buffers, offsets)
 
 
 def _joined(parts: list[Any]) -> Any:

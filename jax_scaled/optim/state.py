@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -29,7 +30,13 @@ from jax_scaled.optim._storage import (
     unit_scaled,
     wider_dtype,
 )
-from jax_scaled.optim.flat import FlatState, block_length, expanded, flattened
+from jax_scaled.optim.flat import (
+    FlatState,
+    block_length,
+    expanded,
+    expanded_plain,
+    flattened,
+)
 from jax_scaled.pow2.xla import stored_once
 from jax_scaled.tree import tree_leaves, tree_map
 
@@ -109,9 +116,9 @@ def scaled_state(
             large, heavy-tailed gradients).
         flat: keep the leaves stored in blocks of the same length as one buffer per length
             (a :class:`~jax_scaled.optim.flat.FlatState`; its ``expanded()`` gives the state
-            tree back, leaf for leaf). The same data and scales, bit for bit, in a program with
-            a few kernels for the whole state where it had a few per leaf (a 4-layer GPT
-            step: 10% fewer HLO instructions). For one device or a replicated state: the
+            tree back, leaf for leaf). The same data and scales, bit for bit, written by a few
+            kernels for the whole state where it took two per moment and leaf
+            (``docs/index.md``, "Flat state"). For one device or a replicated state: the
             buffers join leaves that a sharded model would shard apart. Counts, scalars and
             hyperparameters stay in the tree, readable by name.
 
@@ -145,9 +152,12 @@ def scaled_state(
     def init(params: optax.Params) -> optax.OptState:
         state = call_scaled(inner.init, params)
         state = to_storage(state, dtype, rescale, scale_dtype, block_size)
-        return call_scaled(flattened, state, joined_blocks, _kept) if flat else state
+        if not flat:
+            return state
+        state = call_scaled(flattened, state, joined_blocks, _kept)
+        return dataclasses.replace(state, offsets=tuple(map(jnp.asarray, state.offsets)))
 
-    def store(tree: Any) -> Any:
+    def store(tree: Any, offsets: tuple[Any, ...] | None) -> Any:
         # The new state is the update's float32 arithmetic: no subnormal where it flushes.
         def leaf(x: Any, length: int | None = None) -> Any:
             if length is None:
@@ -160,7 +170,7 @@ def scaled_state(
         def joinable(x: Any) -> Any:  # narrow data would lose its leaf's scale in a join
             return _widened(x, F32) if block_length(x, joined_blocks) else x
 
-        return flattened(tree_map(joinable, tree), joined_blocks, leaf)
+        return flattened(tree_map(joinable, tree), joined_blocks, leaf, offsets)
 
     def traced_update(grads, state, params, extra_args):
         if flat != isinstance(state, FlatState):
@@ -168,8 +178,10 @@ def scaled_state(
                 f"scaled_state(flat={flat}) was given a state of the other layout "
                 f"({type(state).__name__}): pass the state its own init returned."
             )
+        offsets = state.offsets if flat else None
         if flat:
-            state = expanded(state)
+            plain = computes_plain(compute_dtype)
+            state = expanded_plain(state, compute_dtype) if plain else expanded(state)
         if computes_plain(compute_dtype):
             grads, state, params = (plain_tree(t, compute_dtype) for t in (grads, state, params))
             # Read by every stage of the update (the global norm, each moment): stored once,
@@ -185,7 +197,7 @@ def scaled_state(
             # wide parameters keep that computation in compute_dtype as well.
             params = tree_map(lambda p: _widened(p, compute_dtype), params)
             updates, new_state = inner.update(grads, state, params, **extra_args)
-        return updates, store(new_state)
+        return updates, store(new_state, offsets)
 
     def update(grads, state, params=None, **extra_args):
         updates, new_state = call_scaled(traced_update, grads, state, params, extra_args)
