@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import jax_scaled as js
 from jax_scaled.optim._storage import stored_buffer, stored_tree
-from jax_scaled.optim.flat import FlatState, InBuffer, flattened
+from jax_scaled.optim.flat import FlatState, InBuffer, expanded_plain, flattened
 
 # Leaf shapes of every block layout storage_blocks gives: (1, 32) rows, blocks over rows
 # ((16, 8): 4 x 8), a 16-wide last axis, a last axis 32 does not divide (one block per row
@@ -50,9 +50,11 @@ def per_leaf_and_flat(tree, dtype, scale_dtype=None):
                 return stored_tree(x, dtype, "l2", 32, scale_dtype, exact_subnormals=False)
             return stored_buffer(x, dtype, length, scale_dtype)
 
-        return per_leaf, flattened(tree, 32, store)
+        flat = flattened(tree, 32, store)
+        return per_leaf, flat, expanded_plain(flat, jnp.float32)
 
-    per_leaf, flat = jax.jit(js.scalify(both))(tree)
+    per_leaf, flat, plain = jax.jit(js.scalify(both))(tree)
+    assert_bitwise(js.asarray(js.tree.astype(per_leaf, jnp.float32)), js.asarray(plain))
     return per_leaf, flat.expanded()
 
 
