@@ -31,6 +31,7 @@ VARIANTS = {
     "scalified": js.ScalifyConfig(),
 }
 KERNEL = re.compile(r"= (\([^)]*\)|\S+) (fusion|dot|custom-call)\(")
+COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")  # a computation's first line
 ONE_ELEMENT = re.compile(r"\w+\[(1(,1)*)?\](\{[\d,]*\})?")  # f32[], f32[1]{0}
 
 
@@ -46,6 +47,57 @@ def kernel_counts(hlo_text: str) -> tuple[int, int]:
     entry = hlo_text[hlo_text.index("ENTRY") :]
     shapes = [m.group(1) for m in KERNEL.finditer(entry)]
     return len(shapes), sum(1 for s in shapes if ONE_ELEMENT.fullmatch(s))
+
+
+def distinct_kernels(hlo_text: str) -> int:
+    """How many of the entry computation's fusions differ as computations: XLA:CPU compiles
+    one kernel for all fusions of one computation (equal up to the names of instructions and
+    of the computations they call), so this, not the kernel count, is what code generation
+    pays for.
+
+    Example:
+        >>> text = '''%f1 (p: f32[8]) -> f32[8] {
+        ...   %p = f32[8]{0} parameter(0)
+        ...   ROOT %n = f32[8]{0} negate(%p)
+        ... }
+        ... %f2 (q: f32[8]) -> f32[8] {
+        ...   %q = f32[8]{0} parameter(0)
+        ...   ROOT %m = f32[8]{0} negate(%q)
+        ... }
+        ... ENTRY %main (x: f32[8]) -> f32[8] {
+        ...   %x = f32[8]{0} parameter(0)
+        ...   %a = f32[8]{0} fusion(%x), kind=kLoop, calls=%f1
+        ...   ROOT %b = f32[8]{0} fusion(%a), kind=kLoop, calls=%f2
+        ... }'''
+        >>> distinct_kernels(text)
+        1
+    """
+    bodies, current = {}, None
+    for line in hlo_text.splitlines():
+        header = COMPUTATION.match(line)
+        if header:
+            current = "ENTRY" if line.startswith("ENTRY") else header.group(1)
+            bodies[current] = []
+        elif current is not None and " = " in line:
+            bodies[current].append(line.split(", metadata=")[0].strip().removeprefix("ROOT "))
+    forms = {_canonical(bodies, line.split(" = ", 1)[1], {}) for line in bodies.get("ENTRY", [])
+             if re.search(r" fusion\(", line)}  # fmt: skip
+    return len(forms)
+
+
+def _canonical(bodies: dict[str, list[str]], text: str, names: dict[str, str]) -> str:
+    """``text`` with instruction names numbered in order and each called computation's
+    instructions in its place."""
+
+    def name(match: re.Match) -> str:
+        callee = match.group(1)
+        if callee in bodies and callee not in names:
+            names[callee] = f"%{len(names)}"
+            inner = {}
+            return "{" + ";".join(_canonical(bodies, line, inner) for line in bodies[callee]) + "}"
+        return names.setdefault(callee, f"%{len(names)}")
+
+    return re.sub(r"%([\w.\-]+)", name, text)
 
 
 def measure(dtype, variant: str) -> dict[str, float]:

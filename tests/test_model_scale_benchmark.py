@@ -20,7 +20,8 @@ def test_fp32_scan_row_counts_and_times():
     params = ms.init_params(TINY.model_config(ms.VOCAB), "scan", 0)
     row, step, args = ms.prepare("fp32", TINY, "scan", params, ms.batch_of(TINY))
     assert not row.error and step is not None
-    assert row.eqns > 0 and row.hlo > row.kernels > 0 and row.fp8_dots == 0 and row.build > 0
+    assert row.eqns > 0 and row.hlo > row.kernels >= row.distinct > 0 and row.build > 0
+    assert row.fp8_dots == 0
     ms.time_steps([(row, step, args)], reps=2)
     assert math.isfinite(row.step_s) and row.step_s > 0
 
