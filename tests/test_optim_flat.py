@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_scaled as js
-from jax_scaled.optim._storage import stored_buffer, stored_tree
+from jax_scaled.optim._storage import stored, stored_tree
 from jax_scaled.optim.flat import FlatState, InBuffer, expanded_plain, flattened
 
 # Leaf shapes of every block layout storage_blocks gives: (1, 32) rows, blocks over rows
@@ -48,7 +48,7 @@ def per_leaf_and_flat(tree, dtype, scale_dtype=None):
         def store(x, length):
             if length is None:
                 return stored_tree(x, dtype, "l2", 32, scale_dtype, exact_subnormals=False)
-            return stored_buffer(x, dtype, length, scale_dtype)
+            return stored(x, dtype, "l2", length, scale_dtype, exact_subnormals=False)
 
         flat = flattened(tree, 32, store)
         return per_leaf, flat, expanded_plain(flat, jnp.float32)

@@ -252,29 +252,6 @@ def stored(
     return saturate(centred(x, rescale, scale_dtype), dtype).astype(dtype)
 
 
-def stored_buffer(
-    x: jax.Array, dtype: DTypeLike, length: int, scale_dtype: DTypeLike | None = None
-) -> jax.Array:
-    """A flat buffer of state leaves (:mod:`jax_scaled.optim.flat`) as :func:`stored` stores
-    each of them: quantized to ``dtype`` in blocks of ``length`` elements, ``"rceil"``; ``x``
-    comes from an update's float32 arithmetic (see :func:`stored`). XLA writes the joined
-    leaves out itself, so the quantization stores no copy of its own (a pass over the state).
-
-    Example:
-        >>> q = stored_buffer(jnp.arange(64.0), jnp.float16, 32)
-        >>> q.data.dtype, q.scale.tolist()
-        (dtype('float16'), [2.0, 4.0])
-    """
-    return quantize_read_elsewhere(
-        x,
-        dtype,
-        block_shape=(length,),
-        scale_rounding="rceil",
-        scale_dtype=scale_dtype,
-        exact_subnormals=False,
-    )
-
-
 def stored_tree(
     tree: Any,
     dtype: DTypeLike,

@@ -87,13 +87,10 @@ def _in_buffer(x: Any) -> bool:
 def expanded(state: FlatState) -> Any:
     """:meth:`FlatState.expanded` of a traced state (inside ``scalify``)."""
 
-    def leaf(x: Any) -> Any:
-        if not isinstance(x, InBuffer):
-            return x
-        part = state.buffers[x.buffer][x.offset : x.offset + math.prod(x.shape)]
-        return part.reshape(x.shape)
+    def read(x: InBuffer) -> Any:
+        return state.buffers[x.buffer][x.offset : x.offset + math.prod(x.shape)]
 
-    return jax.tree.map(leaf, state.tree, is_leaf=_in_buffer)
+    return _read_back(state, read)
 
 
 def expanded_plain(state: FlatState, dtype: DTypeLike) -> Any:
@@ -109,14 +106,21 @@ def expanded_plain(state: FlatState, dtype: DTypeLike) -> Any:
     plain = [stop_scaling(b, wider_dtype(b.dtype, dtype)) for b in state.buffers]
     offsets = iter(state.offsets)
 
-    def leaf(x: Any) -> Any:
-        if not isinstance(x, InBuffer):
-            return x
+    def read(x: InBuffer) -> Any:
         size = math.prod(x.shape)
-        part = lax.dynamic_slice_in_dim(
+        return lax.dynamic_slice_in_dim(
             plain[x.buffer], next(offsets), size, allow_negative_indices=False
         )
-        return part.reshape(x.shape)
+
+    return _read_back(state, read)
+
+
+def _read_back(state: FlatState, read: Callable[[InBuffer], Any]) -> Any:
+    """``state.tree`` with each :class:`InBuffer` replaced by ``read(slot)`` in its shape
+    (in flattening order, the order of ``state.offsets``)."""
+
+    def leaf(x: Any) -> Any:
+        return read(x).reshape(x.shape) if isinstance(x, InBuffer) else x
 
     return jax.tree.map(leaf, state.tree, is_leaf=_in_buffer)
 

@@ -24,7 +24,7 @@ from jax_scaled.optim._storage import (
     promote_plain,
     rescaled,
     stored,
-    stored_buffer,
+    stored_tree,
     stores_in_blocks,
     to_storage,
     unit_scaled,
@@ -159,16 +159,18 @@ def scaled_state(
 
     def store(tree: Any, offsets: tuple[Any, ...] | None) -> Any:
         # The new state is the update's float32 arithmetic: no subnormal where it flushes.
-        def leaf(x: Any, length: int | None = None) -> Any:
-            if length is None:
-                return stored(x, dtype, rescale, block_size, scale_dtype, exact_subnormals=False)
-            return stored_buffer(x, dtype, length, scale_dtype)
-
         if not flat:
-            return tree_map(lambda x: leaf(x) if is_float(x) else x, tree)
+            return stored_tree(
+                tree, dtype, rescale, block_size, scale_dtype, exact_subnormals=False
+            )
 
         def joinable(x: Any) -> Any:  # narrow data would lose its leaf's scale in a join
             return _widened(x, F32) if block_length(x, joined_blocks) else x
+
+        def leaf(x: Any, length: int | None) -> Any:  # a buffer's blocks are its leaves' own
+            return stored(
+                x, dtype, rescale, length or block_size, scale_dtype, exact_subnormals=False
+            )
 
         return flattened(tree_map(joinable, tree), joined_blocks, leaf, offsets)
 
@@ -178,11 +180,10 @@ def scaled_state(
                 f"scaled_state(flat={flat}) was given a state of the other layout "
                 f"({type(state).__name__}): pass the state its own init returned."
             )
-        offsets = state.offsets if flat else None
+        plain, offsets = computes_plain(compute_dtype), state.offsets if flat else None
         if flat:
-            plain = computes_plain(compute_dtype)
             state = expanded_plain(state, compute_dtype) if plain else expanded(state)
-        if computes_plain(compute_dtype):
+        if plain:
             grads, state, params = (plain_tree(t, compute_dtype) for t in (grads, state, params))
             # Read by every stage of the update (the global norm, each moment): stored once,
             # not recomputed by each reader with the guarded gradient's own arithmetic.
