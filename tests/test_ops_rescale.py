@@ -366,6 +366,16 @@ def test_rescales_together_finish_their_statistics_on_one_vector(norm):
         assert_same_value(y, x)
 
 
+def test_float32_l2_rescales_together_write_no_magnitudes():
+    # The sum of squares read |data| where the maximum did: abs, read by two reductions,
+    # was a kernel of its own writing every magnitude, one per float32 master weight of a
+    # step. Squares of the data are the same floats, and abs fuses into the maximum.
+    xs, rescaled, arithmetic = _rescaled_together("l2", 5, (128, 384))
+    assert len(arithmetic) >= 16 and ["abs"] not in arithmetic, arithmetic
+    for x, y in zip(xs, rescaled(xs), strict=True):
+        assert_same_value(y, x)
+
+
 @pytest.mark.parametrize("norm", ["l1", "l2"])
 def test_a_float16_rescale_reads_its_data_once(norm):
     # The statistic's reduction no longer waits for a reduction to the largest magnitude.
