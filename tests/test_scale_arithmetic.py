@@ -329,7 +329,9 @@ def test_a_static_one_costs_no_equation():
     )
 
 
-def test_an_output_scale_goes_behind_one_barrier():
+def test_an_output_scale_stages_no_equation_of_its_own():
+    # A barrier per traced output scale only kept XLA's simplifier from folding (the
+    # 12-layer unrolled transformer of benchmarks/trace_speed.py: 17% more instructions).
     def f(x):
         with scale_memo():
             once = make_scale(x * 2, np.float32(1.0))
@@ -337,8 +339,7 @@ def test_an_output_scale_goes_behind_one_barrier():
             return once, again, make_scale(once * 2, np.float32(1.0))
 
     closed = jax.make_jaxpr(f)(jnp.float32(1.0))
-    names = [e.primitive.name for e in closed.jaxpr.eqns]
-    assert names.count("optimization_barrier") == 2
+    assert [e.primitive.name for e in closed.jaxpr.eqns] == ["mul", "mul"]
     assert [float(v) for v in jax.jit(f)(jnp.float32(1.0))] == [2.0, 2.0, 4.0]
 
 

@@ -45,7 +45,7 @@ from jax_scaled.pow2.traced import (
     pow2_round_positive,
     pow2_round_sqrt,
 )
-from jax_scaled.pow2.xla import as_division, scale_barrier
+from jax_scaled.pow2.xla import as_division
 
 __all__ = ["Value", "compute_dtype"]  # and every public function below
 
@@ -97,7 +97,6 @@ def round_scale(scale: jax.Array) -> jax.Array:
 def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
     """Cast a float32 power-of-two ``scale`` to the scale dtype of the inputs ``like``.
 
-    A traced scale goes through :func:`~jax_scaled.pow2.xla.scale_barrier`.
     A static scale (numpy, see :func:`is_static`) stays a numpy value: no staged constant,
     and rules that read it can fold it at trace time.
     """
@@ -106,20 +105,7 @@ def make_scale(scale: jax.Array, *like: Value) -> jax.Array:
         if dtype == jnp.float8_e8m0fnu:
             scale = max(float(scale), 2.0**-127)  # E8M0 has no zero (see below)
         return np.asarray(scale, np.float32).astype(dtype)
-    return _cast_scale(_behind_barrier(as_float32(scale)), dtype)
-
-
-_BEHIND_BARRIER = "scale_barrier"
-
-
-def _behind_barrier(scale: jax.Array) -> jax.Array:
-    """``scale`` behind one optimization barrier: one per traced scale, and none more for a
-    scale that is already a barrier's output (each barrier is an equation to trace, lower and
-    compile, and a second one changes nothing)."""
-    behind = memoized(_BEHIND_BARRIER, scale, lambda: scale_barrier(scale))
-    if behind is not scale:
-        memoized(_BEHIND_BARRIER, behind, lambda: behind)
-    return behind
+    return _cast_scale(as_float32(scale), dtype)
 
 
 def _cast_scale(scale: jax.Array, dtype) -> jax.Array:
