@@ -24,16 +24,13 @@ these helpers where the choice matters.
   contraction's output), the guard's small kernel works out ``up * 2^d`` and ``up`` is
   derived from it by a static product (the data divided by ``up`` times a constant, XLA
   turned the division back into a product by a reciprocal in a kernel of its own).
-* **A traced one** (:func:`traced_one`) where a rule's scale is 1 but its input's scale is
-  traced (``exp``, ``logistic``): a static 1 would let the scale arithmetic chain uncut
-  through softmax, and the unrolled transformer of ``benchmarks/trace_speed.py`` then
-  compiles quadratically in depth.
-* **No optimization barrier on output scales.** One kept XLA's simplifier from merging the
-  scalar chains of a deep unrolled network before the remainders below cut them; since, a
-  barrier per traced scale only stops the simplifier's folding: without them the 12-layer
-  unrolled transformer of ``benchmarks/trace_speed.py`` compiles to 17% fewer
-  instructions, and the scalified steps stage 4% (the GPT of Table 3) to 15% fewer
-  equations.
+* **No optimization barrier on output scales, and static ones where a rule's scale is 1.**
+  Both cut the scalar chains of a deep unrolled network before the remainders below did
+  (a traced 1 for ``exp`` and ``logistic`` kept a chain from running uncut through softmax).
+  Since, a barrier per traced scale only stops the simplifier's folding, and a traced 1 is
+  folded by XLA anyway: without them the 12-layer unrolled transformer of
+  ``benchmarks/trace_speed.py`` compiles to 17% fewer instructions (float32) and the
+  scalified steps stage 4% (the GPT of Table 3) to 15% fewer equations.
 * **A remainder where a scale has several readers** (:func:`computed_once`): XLA copies a
   scalar chain into every kernel that reads it, so a scale read by every parameter (the
   global norm of ``optax.clip_by_global_norm``) was compiled once per parameter, its chain
@@ -173,16 +170,6 @@ def as_division(data: jax.Array, factor: Any) -> jax.Array | None:
 
 def _holds_float32_range(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).maxexp >= 128
-
-
-def traced_one(scale: jax.Array) -> jax.Array:
-    """A traced 1 shaped like ``scale`` (see the module notes), a static 1 for a static one.
-
-    Example:
-        >>> float(traced_one(jnp.float32(8.0)))
-        1.0
-    """
-    return jnp.ones_like(scale)
 
 
 def binade_lookup(x: jax.Array, table: np.ndarray) -> jax.Array:

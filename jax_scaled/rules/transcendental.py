@@ -35,7 +35,6 @@ from jax_scaled.engine import estimates
 from jax_scaled.engine.registry import Property, register_scale_rule
 from jax_scaled.pow2.static import is_static, static_pow2_round
 from jax_scaled.pow2.traced import pow2_exponent, pow2_reciprocal
-from jax_scaled.pow2.xla import traced_one
 from jax_scaled.scales import (
     as_scaled,
     from_compute,
@@ -54,8 +53,9 @@ _LN2_HI = 0.693145751953125
 _LN2_LO = math.log(2.0) - _LN2_HI
 
 
-def _unit(s: jax.Array) -> jax.Array:
-    return traced_one(s)  # not a static 1: see jax_scaled.pow2.xla
+def _unit(s: jax.Array) -> np.ndarray:
+    """The scale estimate 1, static (no equation: see ``jax_scaled.pow2.xla``)."""
+    return np.ones((), np.float32)
 
 
 def _linear(s: jax.Array) -> jax.Array:
