@@ -237,3 +237,14 @@ def test_gamma_like(name, dtype, data):
     ulps = 4 + 48 * eps(jnp.float32) / eps(dtype)
     out = check_scaled(fn, [x], dtype, ulps=ulps, normwise=True)
     assert float(out.scale) == _pow2_floor(estimate(float(x.scale)))
+
+
+@pytest.mark.parametrize(
+    "fn", [jnp.exp, jnp.exp2, jnp.cos, jnp.cosh, jax.nn.sigmoid, special.erfc, jnp.arccos]
+)
+def test_a_unit_scale_estimate_is_a_trace_time_constant(fn):
+    # A traced 1 once kept scale chains from running uncut through softmax; the remainders
+    # that compute shared scales once cut them now, and XLA folded the traced 1 anyway.
+    x = js.scaled_array(jnp.linspace(1.0, 2.0, 64, dtype=jnp.float16), 2.0**-3)
+    outvars = jax.make_jaxpr(js.scalify(fn))(x).jaxpr.outvars
+    assert isinstance(outvars[1], jax.extend.core.Literal) and outvars[1].val == 1.0
