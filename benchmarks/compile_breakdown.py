@@ -31,7 +31,7 @@ VARIANTS = {
     "scalified": js.ScalifyConfig(),
 }
 KERNEL = re.compile(r"= (\([^)]*\)|\S+) (fusion|dot|custom-call)\(")
-COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")  # a computation's first line
+COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")  # a computation's first line
 ONE_ELEMENT = re.compile(r"\w+\[(1(,1)*)?\](\{[\d,]*\})?")  # f32[], f32[1]{0}
 
 
@@ -47,6 +47,27 @@ def kernel_counts(hlo_text: str) -> tuple[int, int]:
     entry = hlo_text[hlo_text.index("ENTRY") :]
     shapes = [m.group(1) for m in KERNEL.finditer(entry)]
     return len(shapes), sum(1 for s in shapes if ONE_ELEMENT.fullmatch(s))
+
+
+def hlo_computations(hlo_text: str) -> dict[tuple[bool, str], list[str]]:
+    r"""The instruction lines of each computation of an HLO module's text, keyed by
+    ``(is_entry, name)``.
+
+    Example:
+        >>> hlo_computations("ENTRY %main (x: f32[]) -> f32[] {\n  ROOT %x = f32[] parameter(0)\n}")
+        {(True, 'main'): ['  ROOT %x = f32[] parameter(0)']}
+    """
+    computations: dict[tuple[bool, str], list[str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        header = COMPUTATION.match(line)
+        if header and " = " not in line.split("{")[0]:
+            current = computations.setdefault((bool(header.group(1)), header.group(2)), [])
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and " = " in line:
+            current.append(line)
+    return computations
 
 
 def distinct_kernels(hlo_text: str) -> int:
@@ -72,17 +93,18 @@ def distinct_kernels(hlo_text: str) -> int:
         >>> distinct_kernels(text)
         1
     """
-    bodies, current = {}, None
-    for line in hlo_text.splitlines():
-        header = COMPUTATION.match(line)
-        if header:
-            current = "ENTRY" if line.startswith("ENTRY") else header.group(1)
-            bodies[current] = []
-        elif current is not None and " = " in line:
-            bodies[current].append(line.split(", metadata=")[0].strip().removeprefix("ROOT "))
+    bodies = {
+        "ENTRY" if is_entry else name: [_bare(line) for line in lines]
+        for (is_entry, name), lines in hlo_computations(hlo_text).items()
+    }
     forms = {_canonical(bodies, line.split(" = ", 1)[1], {}) for line in bodies.get("ENTRY", [])
              if re.search(r" fusion\(", line)}  # fmt: skip
     return len(forms)
+
+
+def _bare(line: str) -> str:
+    """An instruction line without its metadata, indentation and ``ROOT`` marker."""
+    return line.split(", metadata=")[0].strip().removeprefix("ROOT ")
 
 
 def _canonical(bodies: dict[str, list[str]], text: str, names: dict[str, str]) -> str:

@@ -45,13 +45,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import model_scale as ms  # noqa: E402
 import optax  # noqa: E402
+from compile_breakdown import hlo_computations  # noqa: E402
 
 import jax_scaled as js  # noqa: E402
 
 PARTS = ("step", "grads", "plain-optimizer")
 KINDS = ("tensor ops", "scalar ops in tensor kernels", "scalar-only computations", "entry",
          "plumbing")  # fmt: skip
-_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
 _RESULT = re.compile(r"= \(?(\w+)\[([^\]]*)\]\S* ([\w\-]+)\(")
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 
@@ -68,22 +68,6 @@ class Anatomy:
     @property
     def total(self) -> int:
         return sum(self.kinds.values())
-
-
-def _instructions(hlo_text: str) -> dict[tuple[bool, str], list[str]]:
-    """The instruction lines of each computation of an HLO module's text, keyed by
-    ``(is_entry, name)``."""
-    computations: dict[tuple[bool, str], list[str]] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header and " = " not in line.split("{")[0]:
-            current = computations.setdefault((bool(header.group(1)), header.group(2)), [])
-        elif line.startswith("}"):
-            current = None
-        elif current is not None and " = " in line:
-            current.append(line)
-    return computations
 
 
 def _source_lines(hlo_text: str) -> dict[int, str]:
@@ -128,7 +112,7 @@ def anatomy(hlo_text: str) -> Anatomy:
     """
     frames = _source_lines(hlo_text)
     result = Anatomy()
-    for (is_entry, _), lines in _instructions(hlo_text).items():
+    for (is_entry, _), lines in hlo_computations(hlo_text).items():
         result.computations += 1
         parsed = [(line, _RESULT.search(line)) for line in lines]
         has_tensor = any(m and m.group(2) and m.group(3) not in ("parameter", "constant")
