@@ -25,7 +25,9 @@ keeps both in float16; ``qwix_fp8`` is the same bf16 step with the unmodified mo
 handed to qwix's quantized training (``qwix.quantize_model(model, qwix.QtProvider([rule]))``,
 rule :func:`qwix_rule`: the blocks' weight matmuls ``qkv``, ``proj`` and ``fc`` take E4M3
 operands forward and an E5M2 output gradient backward; attention products and the output head
-stay bf16, as in ``fp8_scalify``), and ``qwix_mxfp8`` the same with qwix's MXFP8 blocks of 32
+stay bf16, as in ``fp8_scalify``), ``qwix_fp8_all_dots`` the same with the attention products
+in FP8 too (every dot but the head's, as ``fp8_policy_scalify`` and the issue's qwix row: 18
+of 21 FP8 dots at one layer), and ``qwix_mxfp8`` the same with qwix's MXFP8 blocks of 32
 (the peer of ``mxfp8_scalify``). The qwix rows are skipped, with a message, without qwix
 (``pip install -e '.[bench]'``).
 
@@ -52,9 +54,9 @@ Columns:
   the compiler;
 * *vs fp32*: (trace + lower + compile) and step time over ``fp32``'s, same layers and layout;
 * *vs qwix*: HLO instructions, build and step time over those of the configuration's qwix
-  peer (:func:`qwix_peer`), for the scalify FP8 configurations: ``qwix_mxfp8`` (qwix's
-  MXFP8 quantized training, :func:`qwix_rule`) for the block-scaled recipes when it is in
-  the group, ``qwix_fp8`` otherwise;
+  peer (:func:`qwix_peer`), for the scalify FP8 configurations: the qwix row with the same
+  FP8 dots when it is in the group (``qwix_mxfp8`` for the block-scaled recipes,
+  ``qwix_fp8_all_dots`` for ``fp8_policy_scalify``), ``qwix_fp8`` otherwise;
 * *vs plain of its types*: HLO instructions, build and step time of a scalify configuration
   over those of the plain program with its data types (:func:`plain_twin`: the same compute,
   master-weight and Adam-state dtypes, no scale propagation, no FP8) when that program is in
@@ -92,8 +94,9 @@ from experiments import gpt, table3  # noqa: E402
 
 BF16 = jnp.dtype(jnp.bfloat16)
 QWIX = "qwix_fp8"
+QWIX_ALL = "qwix_fp8_all_dots"
 QWIX_MX = "qwix_mxfp8"
-QWIX_PEERS = (QWIX, QWIX_MX)
+QWIX_PEERS = (QWIX, QWIX_ALL, QWIX_MX)
 VOCAB = 96  # benchmarks/table3_compile.py's
 SIZE = table3.SIZES["full"]  # width 128, heads 4, batch 16 x context 128
 POLICY_F32_STORAGE = "fp8_policy_f32_storage_scalify"
@@ -102,15 +105,18 @@ PRECISIONS: dict[str, table3.Precision] = {
     "bf16": table3.Precision("bf16", "", compute_dtype=BF16),
     "fp16": table3.Precision("fp16", "", compute_dtype=table3.F16),
     QWIX: table3.Precision(QWIX, "", compute_dtype=BF16),
+    QWIX_ALL: table3.Precision(QWIX_ALL, "", compute_dtype=BF16),
     QWIX_MX: table3.Precision(QWIX_MX, "", compute_dtype=BF16),
     POLICY_F32_STORAGE: dataclasses.replace(
         table3.PRECISIONS["fp8_policy_scalify"], name=POLICY_F32_STORAGE,
         master_dtype=table3.F32, state_dtype=table3.F32),
 }  # fmt: skip
-DEFAULT_CONFIGS = ("fp32", "bf16", "fp16", QWIX, QWIX_MX, "fp16_scalify", "fp8_scalify",
-                   "fp8_policy_scalify", POLICY_F32_STORAGE, "mxfp8_scalify")  # fmt: skip
+DEFAULT_CONFIGS = ("fp32", "bf16", "fp16", QWIX, QWIX_ALL, QWIX_MX, "fp16_scalify",
+                   "fp8_scalify", "fp8_policy_scalify", POLICY_F32_STORAGE,
+                   "mxfp8_scalify")  # fmt: skip
 LAYOUTS = ("unrolled", "scan")
 QWIX_RULE_PATH = r"(.*/)?(qkv|proj|fc)"  # the blocks' Dense modules, unrolled or scanned
+QWIX_ALL_RULE_PATH = r"(.*/)?(qkv|proj|fc|attn)"  # and the attention products
 FP8_DOT = re.compile(r"stablehlo\.(?:dot_general|convolution)\b.*: \(([^)]*)\) ->")
 HEADER = ("layers", "layout", "config", "jaxpr eqns", "HLO instrs", "kernels", "distinct",
           "trace s", "lower s", "compile s", "step ms", "FP8 dots", "vs fp32 (build, step)",
@@ -154,7 +160,10 @@ def qwix_missing() -> str | None:
 def qwix_rule(name: str) -> Any:
     """The qwix quantized-training rule of ``name`` for the blocks' Dense modules.
 
-    ``qwix_fp8``: per-tensor E4M3 forward, E5M2 output gradient backward. ``qwix_mxfp8``:
+    ``qwix_fp8``: per-tensor E4M3 forward, E5M2 output gradient backward.
+    ``qwix_fp8_all_dots``: the same for the attention products too (qwix intercepts the
+    einsums that ``js.nn.dot_product_attention`` calls inside the ``attn`` module): every
+    ``dot_general`` but the output head's, as ``fp8_policy_scalify``. ``qwix_mxfp8``:
     qwix's ``"mxfp8"`` (E4M3 elements, a power-of-two scale per 32 along the contracting
     axis) for both operands of all three matmuls, forward and backward. qwix has no MX
     E5M2, so its gradients are E4M3 where ``mxfp8_scalify``'s are E5M2, and by default its
@@ -165,9 +174,10 @@ def qwix_rule(name: str) -> Any:
     """
     import qwix
 
-    if name == QWIX:
-        return qwix.QtRule(module_path=QWIX_RULE_PATH, weight_qtype=gpt.E4M3,
-                           act_qtype=gpt.E4M3, bwd_qtype=gpt.E5M2)  # fmt: skip
+    if name in (QWIX, QWIX_ALL):
+        path = QWIX_RULE_PATH if name == QWIX else QWIX_ALL_RULE_PATH
+        return qwix.QtRule(module_path=path, weight_qtype=gpt.E4M3, act_qtype=gpt.E4M3,
+                           bwd_qtype=gpt.E5M2)  # fmt: skip
     mx = "mxfp8"
     backward = dict(dlhs_tile_size=32, dlhs_residual_qtype=mx, drhs_residual_qtype=mx)
     return qwix.QtRule(module_path=QWIX_RULE_PATH, weight_qtype=mx, act_qtype=mx,
@@ -350,16 +360,22 @@ def plain_ratio(row: Row, ref: Row | None) -> str:
 
 
 def qwix_peer(name: str, by_name: dict[str, Row]) -> Row | None:
-    """The qwix row a scalify FP8 configuration is compared with: ``qwix_mxfp8`` for a
-    block-scaled recipe when the group has it, ``qwix_fp8`` otherwise.
+    """The qwix row a scalify FP8 configuration is compared with, the one doing the same FP8
+    work when the group has it: ``qwix_mxfp8`` for a block-scaled recipe,
+    ``qwix_fp8_all_dots`` for a ``fp8_policy`` one (every dot but the head's), ``qwix_fp8``
+    (the blocks' Dense modules) otherwise and as the fallback.
 
     Example:
-        >>> rows = {n: Row(1, "scan", n) for n in (QWIX, QWIX_MX)}
-        >>> qwix_peer("mxfp8_scalify", rows).config, qwix_peer("fp8_scalify", rows).config
-        ('qwix_mxfp8', 'qwix_fp8')
+        >>> rows = {n: Row(1, "scan", n) for n in (QWIX, QWIX_ALL, QWIX_MX)}
+        >>> [qwix_peer(n, rows).config for n in ("mxfp8_scalify", "fp8_policy_scalify",
+        ...                                      "fp8_scalify")]
+        ['qwix_mxfp8', 'qwix_fp8_all_dots', 'qwix_fp8']
     """
-    if PRECISIONS[name].block is not None and QWIX_MX in by_name:
+    precision = PRECISIONS[name]
+    if precision.block is not None and QWIX_MX in by_name:
         return by_name[QWIX_MX]
+    if precision.fp8_policy and QWIX_ALL in by_name:
+        return by_name[QWIX_ALL]
     return by_name.get(QWIX)
 
 

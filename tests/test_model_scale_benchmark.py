@@ -41,6 +41,16 @@ def test_qwix_fp8_lowers_fp8_dots():
     assert _lowered_fp8_dots(ms.QWIX, "scan") > 0
 
 
+def test_qwix_fp8_all_dots_lowers_the_attention_products_in_fp8_as_the_policy_does():
+    pytest.importorskip("qwix")
+    # One layer: qkv, proj, fc, proj and the two attention products, forward and backward
+    # (3 dots each); the output head stays bf16. qwix_fp8 leaves the attention products out.
+    for layout in ("unrolled", "scan"):
+        assert _lowered_fp8_dots(ms.QWIX_ALL, layout) == 18
+        assert _lowered_fp8_dots("fp8_policy_scalify", layout) == 18
+    assert _lowered_fp8_dots(ms.QWIX, "unrolled") == 12
+
+
 def test_qwix_mxfp8_lowers_fp8_dots():
     pytest.importorskip("qwix")
     # Blocks of 32 along every contracting axis: the width, and the context (qwix tiles the
@@ -80,6 +90,16 @@ def test_a_block_scaled_recipe_is_compared_with_qwix_mxfp8_when_it_ran():
     assert qwix_cells[3:] == ["1.00x, 1.00x, 1.00x", "0.50x, 1.00x, 1.00x"]
     without_mx = [line.split(" | ")[-2] for line in ms.table_lines(rows[:2] + rows[3:])[2:]]
     assert without_mx[-1] == "1.00x, 1.00x, 1.00x"
+
+
+def test_the_fp8_policy_is_compared_with_the_qwix_row_of_its_fp8_dots_when_it_ran():
+    names = ("fp32", ms.QWIX, ms.QWIX_ALL, "fp8_scalify", "fp8_policy_scalify")
+    rows = [ms.Row(1, "unrolled", name, 10, 100, 0.1, 0.1, 0.8, 1, 0.01) for name in names]
+    rows[2].hlo = 125  # qwix_fp8_all_dots
+    qwix_cells = [line.split(" | ")[-2] for line in ms.table_lines(rows)[2:]]
+    assert qwix_cells[3:] == ["1.00x, 1.00x, 1.00x", "0.80x, 1.00x, 1.00x"]
+    without_all = [line.split(" | ")[-2] for line in ms.table_lines(rows[:2] + rows[3:])[2:]]
+    assert without_all[-1] == "1.00x, 1.00x, 1.00x"
 
 
 def test_unknown_config_is_an_error():
