@@ -82,24 +82,19 @@ def test_scalified_rows_are_compared_with_the_plain_program_of_their_data_types(
                      "1.00x, 1.00x, 1.00x"]  # fmt: skip
 
 
-def test_a_block_scaled_recipe_is_compared_with_qwix_mxfp8_when_it_ran():
-    names = ("fp32", ms.QWIX, ms.QWIX_MX, "fp8_scalify", "mxfp8_scalify")
+@pytest.mark.parametrize(
+    "peer, recipe", [(ms.QWIX_MX, "mxfp8_scalify"), (ms.QWIX_ALL, "fp8_policy_scalify")]
+)
+def test_a_recipe_is_compared_with_the_qwix_row_of_its_fp8_dots_when_it_ran(peer, recipe):
+    # mxfp8_scalify: qwix's MXFP8; fp8_policy_scalify (every dot but the head's): qwix with
+    # the attention products too. fp8_scalify keeps qwix_fp8; without the peer, so does each.
+    names = ("fp32", ms.QWIX, peer, "fp8_scalify", recipe)
     rows = [ms.Row(1, "unrolled", name, 10, 100, 0.1, 0.1, 0.8, 1, 0.01) for name in names]
-    rows[2].hlo = 200  # qwix_mxfp8
+    rows[2].hlo = 200  # the recipe's peer
     qwix_cells = [line.split(" | ")[-2] for line in ms.table_lines(rows)[2:]]
     assert qwix_cells[3:] == ["1.00x, 1.00x, 1.00x", "0.50x, 1.00x, 1.00x"]
-    without_mx = [line.split(" | ")[-2] for line in ms.table_lines(rows[:2] + rows[3:])[2:]]
-    assert without_mx[-1] == "1.00x, 1.00x, 1.00x"
-
-
-def test_the_fp8_policy_is_compared_with_the_qwix_row_of_its_fp8_dots_when_it_ran():
-    names = ("fp32", ms.QWIX, ms.QWIX_ALL, "fp8_scalify", "fp8_policy_scalify")
-    rows = [ms.Row(1, "unrolled", name, 10, 100, 0.1, 0.1, 0.8, 1, 0.01) for name in names]
-    rows[2].hlo = 125  # qwix_fp8_all_dots
-    qwix_cells = [line.split(" | ")[-2] for line in ms.table_lines(rows)[2:]]
-    assert qwix_cells[3:] == ["1.00x, 1.00x, 1.00x", "0.80x, 1.00x, 1.00x"]
-    without_all = [line.split(" | ")[-2] for line in ms.table_lines(rows[:2] + rows[3:])[2:]]
-    assert without_all[-1] == "1.00x, 1.00x, 1.00x"
+    without_peer = [line.split(" | ")[-2] for line in ms.table_lines(rows[:2] + rows[3:])[2:]]
+    assert without_peer[-1] == "1.00x, 1.00x, 1.00x"
 
 
 def test_unknown_config_is_an_error():
