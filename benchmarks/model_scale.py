@@ -116,7 +116,7 @@ DEFAULT_CONFIGS = ("fp32", "bf16", "fp16", QWIX, QWIX_ALL, QWIX_MX, "fp16_scalif
                    "mxfp8_scalify")  # fmt: skip
 LAYOUTS = ("unrolled", "scan")
 QWIX_RULE_PATH = r"(.*/)?(qkv|proj|fc)"  # the blocks' Dense modules, unrolled or scanned
-QWIX_ALL_RULE_PATH = r"(.*/)?(qkv|proj|fc|attn)"  # and the attention products
+QWIX_FP8_PATHS = {QWIX: QWIX_RULE_PATH, QWIX_ALL: r"(.*/)?(qkv|proj|fc|attn)"}  # + attention
 FP8_DOT = re.compile(r"stablehlo\.(?:dot_general|convolution)\b.*: \(([^)]*)\) ->")
 HEADER = ("layers", "layout", "config", "jaxpr eqns", "HLO instrs", "kernels", "distinct",
           "trace s", "lower s", "compile s", "step ms", "FP8 dots", "vs fp32 (build, step)",
@@ -158,7 +158,8 @@ def qwix_missing() -> str | None:
 
 
 def qwix_rule(name: str) -> Any:
-    """The qwix quantized-training rule of ``name`` for the blocks' Dense modules.
+    """The qwix quantized-training rule of ``name``: the blocks' Dense modules (and, for
+    ``qwix_fp8_all_dots``, the attention products).
 
     ``qwix_fp8``: per-tensor E4M3 forward, E5M2 output gradient backward.
     ``qwix_fp8_all_dots``: the same for the attention products too (qwix intercepts the
@@ -174,10 +175,9 @@ def qwix_rule(name: str) -> Any:
     """
     import qwix
 
-    if name in (QWIX, QWIX_ALL):
-        path = QWIX_RULE_PATH if name == QWIX else QWIX_ALL_RULE_PATH
-        return qwix.QtRule(module_path=path, weight_qtype=gpt.E4M3, act_qtype=gpt.E4M3,
-                           bwd_qtype=gpt.E5M2)  # fmt: skip
+    if name in QWIX_FP8_PATHS:
+        return qwix.QtRule(module_path=QWIX_FP8_PATHS[name], weight_qtype=gpt.E4M3,
+                           act_qtype=gpt.E4M3, bwd_qtype=gpt.E5M2)  # fmt: skip
     mx = "mxfp8"
     backward = dict(dlhs_tile_size=32, dlhs_residual_qtype=mx, drhs_residual_qtype=mx)
     return qwix.QtRule(module_path=QWIX_RULE_PATH, weight_qtype=mx, act_qtype=mx,
