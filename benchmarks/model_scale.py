@@ -1,7 +1,7 @@
 """Program size, build time and step time of the Table 3 GPT's train step as it grows.
 
     python benchmarks/model_scale.py                                   # everything: long
-    python benchmarks/model_scale.py --layers 1 --reps 2              # one layer, quick
+    python benchmarks/model_scale.py --layers 1 --reps 2 --builds 1   # one layer, quick
     python benchmarks/model_scale.py --layers 1,2 --layouts scan --configs fp32,fp8_scalify
     python benchmarks/model_scale.py --out docs/results/model_scale.md
 
@@ -44,7 +44,9 @@ Columns:
   ``TF_CPP_VMODULE=fusion_compiler=1``, was 13% to 17% lower on the 4-layer steps measured:
   its equality is looser than this one);
 * *trace / lower / compile s*: ``jax.jit(step).trace(...)``, ``.lower()``, ``.compile()``,
-  fresh (nothing cached) and once per row;
+  fresh (a new ``jax.jit``, nothing of it cached), each the median of ``--builds`` builds; the
+  rows of a group are built in turn, ``--builds`` rounds, like the steps (one compile on a
+  2-core machine varies by up to 25% from run to run);
 * *step ms*: median wall time of one step (blocked); after one untimed call, the rows of a
   (layers, layout) group run one step each in turn, ``--reps`` rounds, so machine noise falls
   on all of them alike;
@@ -307,18 +309,45 @@ def time_steps(steps: Sequence[tuple[Row, Callable | None, tuple]], reps: int) -
 
 
 def run_group(
-    names: Sequence[str], size: table3.TrainConfig, layout: str, reps: int, seed: int = 0
+    names: Sequence[str],
+    size: table3.TrainConfig,
+    layout: str,
+    reps: int,
+    builds: int = 1,
+    seed: int = 0,
 ) -> list[Row]:
-    """Every configuration of ``names`` at ``size.layers`` layers in ``layout``, timed."""
+    """Every configuration of ``names`` at ``size.layers`` layers in ``layout``: built
+    ``builds`` times in turn (median times, :func:`median_builds`), the last builds timed."""
     params, batch = init_params(size.model_config(VOCAB), layout, seed), batch_of(size, seed)
-    steps = []
-    for name in names:
-        steps.append(prepare(name, size, layout, params, batch))
-        row = steps[-1][0]
-        print(f"  built {size.layers} x {layout} {name}: {row.build:.1f} s {row.error}",
-              file=sys.stderr, flush=True)  # fmt: skip
+    samples: dict[str, list[Row]] = {name: [] for name in names}
+    for _ in range(builds):
+        steps = []  # only the last round's executables are kept
+        for name in names:
+            steps.append(prepare(name, size, layout, params, batch))
+            row = steps[-1][0]
+            samples[name].append(row)
+            print(f"  built {size.layers} x {layout} {name}: {row.build:.1f} s {row.error}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    for row, _, _ in steps:
+        median_builds(row, samples[row.config])
     time_steps(steps, reps)
     return [row for row, _, _ in steps]
+
+
+def median_builds(row: Row, samples: Sequence[Row]) -> None:
+    """``row``'s trace, lower and compile seconds: the medians of ``samples`` (its builds);
+    the first error of any build is ``row``'s.
+
+    Example:
+        >>> rows = [Row(1, "scan", "fp32", compile=c) for c in (3.0, 1.0, 2.0)]
+        >>> median_builds(rows[0], rows); rows[0].compile
+        2.0
+    """
+    if errors := [r.error for r in samples if r.error]:
+        row.error = errors[0]
+        return
+    for phase in ("trace", "lower", "compile"):
+        setattr(row, phase, statistics.median(getattr(r, phase) for r in samples))
 
 
 def ratio(row: Row, ref: Row | None) -> str:
@@ -415,6 +444,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"comma-separated, from: {', '.join(PRECISIONS)}")  # fmt: skip
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="unrolled and/or scan")
     parser.add_argument("--reps", type=int, default=10, help="timed rounds of steps")
+    parser.add_argument("--builds", type=int, default=3, help="builds of each row (median)")
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args(argv)
     args.layers = [int(n) for n in args.layers.split(",") if n.strip()]
@@ -424,6 +454,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"unknown configuration(s) {unknown}; known: {list(PRECISIONS)}")
     if unknown := sorted(set(args.layouts) - set(LAYOUTS)):
         parser.error(f"unknown layout(s) {unknown}; known: {list(LAYOUTS)}")
+    if args.builds < 1 or args.reps < 1:
+        parser.error(f"--builds and --reps must be at least 1, not {args.builds}, {args.reps}")
     return args
 
 
@@ -442,7 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for layers in args.layers:
         size = dataclasses.replace(SIZE, layers=layers)
         for layout in args.layouts:
-            group = table_lines(run_group(args.configs, size, layout, args.reps), header=False)
+            rows = run_group(args.configs, size, layout, args.reps, args.builds)
+            group = table_lines(rows, header=False)
             print("\n".join(group), flush=True)
             lines += group
             if args.out:

@@ -26,6 +26,18 @@ def test_fp32_scan_row_counts_and_times():
     assert math.isfinite(row.step_s) and row.step_s > 0
 
 
+def test_a_group_built_twice_keeps_the_median_times_and_times_the_last_builds():
+    rows = ms.run_group(["fp32"], TINY, "scan", reps=1, builds=2)
+    assert len(rows) == 1 and not rows[0].error
+    assert rows[0].build > 0 and math.isfinite(rows[0].step_s)
+
+
+@pytest.mark.parametrize("flag", ["--builds", "--reps"])
+def test_fewer_than_one_build_or_rep_is_refused(flag):
+    with pytest.raises(SystemExit):
+        ms.parse_args([flag, "0"])
+
+
 def _lowered_fp8_dots(name: str, layout: str, size=TINY) -> int:
     params = ms.init_params(size.model_config(ms.VOCAB), layout, 0)
     runner = ms.build(name, size, layout, params)
