@@ -6,13 +6,15 @@ scale recorder, whether scalify is tracing the user's function or running its ru
 the source line of the enclosing higher-order equation. Each ``with`` block that changes
 one of them (``ScalifyConfig``, ``record_scales``, one ``scalify`` call, ...) pushes a copy
 of the innermost context with that change (:func:`entered`), and pops it on exit; the
-modules read it with :func:`current`.
+modules read it with :func:`current`. A call also pauses Python's cyclic garbage collector
+(:func:`collector_paused`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -126,8 +128,36 @@ def scalify_call(config: Any = None) -> Iterator[Context]:
         ((True, False), (False, True, {}))
     """
     changes = {} if config is None else {"config": config}
-    with entered(scalify_tracing=True, **changes) as context:
+    with collector_paused(), entered(scalify_tracing=True, **changes) as context:
         yield context
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, and on again after it if it was
+    on (the outermost block decides; a nested one, or one entered with the collector off,
+    leaves it as it is).
+
+    A trace builds tens of thousands of live objects (equations, variables, avals) and frees
+    none in cycles, but each of the collector's full passes walks all of them: a third of
+    the 8-layer Table 3 GPT's float16 trace under ``jax.jit`` (``docs/benchmarks.md``,
+    "Tracing without the garbage collector"). Objects in cycles made meanwhile wait for
+    the collector's next pass after the block.
+
+    Example:
+        >>> with collector_paused():
+        ...     paused = not gc.isenabled()
+        >>> paused, gc.isenabled()
+        (True, True)
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def start_rules(constants: Any) -> None:

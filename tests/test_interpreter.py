@@ -1,6 +1,7 @@
 """The scalify transform: forwarding, composition with JAX transforms, nested calls, errors."""
 
 import functools
+import gc
 
 import chex
 import jax
@@ -296,3 +297,36 @@ def test_a_non_array_output_names_the_users_function():
 
     with pytest.raises(TypeError, match="returns_text returned a str"):
         js.scalify(returns_text)(jnp.ones(2))
+
+
+class TestGarbageCollector:
+    """A scalified call traces and interprets with Python's cyclic collector paused."""
+
+    @staticmethod
+    def collector_state_inside(*args):
+        seen = []
+
+        def f(x):
+            seen.append(gc.isenabled())
+            return js.scalify(lambda y: y * 2.0)(x) + 1.0  # a nested call
+
+        out = js.scalify(f)(*args)
+        return seen, out
+
+    def test_paused_during_the_call_and_on_after_it(self):
+        seen, out = self.collector_state_inside(scaled([1.0, 2.0], 2.0**-20))
+        assert seen == [False] and gc.isenabled()
+        np.testing.assert_allclose(js.asarray(out), [3.0, 5.0])
+
+    def test_a_collector_the_user_turned_off_stays_off(self):
+        gc.disable()
+        try:
+            self.collector_state_inside(scaled([1.0], 0.5))
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+
+    def test_on_again_after_a_failing_call(self):
+        with pytest.raises(TypeError, match="returned a str"):
+            js.scalify(lambda x: "text")(scaled([1.0]))
+        assert gc.isenabled()
