@@ -139,10 +139,10 @@ def collector_paused() -> Iterator[None]:
     leaves it as it is).
 
     A trace builds tens of thousands of live objects (equations, variables, avals) and frees
-    none in cycles, but each of the collector's full passes walks all of them: a third of
-    the 8-layer Table 3 GPT's float16 trace under ``jax.jit`` (``docs/benchmarks.md``,
-    "Tracing without the garbage collector"). Objects in cycles made meanwhile wait for
-    the collector's next pass after the block.
+    none in cycles, but each of the collector's full passes walks all of them: about a
+    third of the 8-layer Table 3 GPT's float16 trace under ``jax.jit`` (``docs/benchmarks.md``,
+    "... the trace without the garbage collector"). Objects in cycles made meanwhile wait
+    for the collector's next pass after the block.
 
     Example:
         >>> with collector_paused():
