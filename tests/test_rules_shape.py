@@ -125,6 +125,24 @@ def test_pad_with_zero_literal():
     np.testing.assert_array_equal(value64(out), [0, 2.0**-20, 0, -(2.0**-19), 0])
 
 
+@pytest.mark.parametrize(
+    "fill",
+    [lambda x: 0.0, lambda x: jnp.zeros((), x.dtype), lambda x: -jnp.inf, lambda x: jnp.nan],
+    ids=["literal zero", "traced zero", "-inf", "nan"],
+)
+def test_pad_with_a_value_of_any_scale_stages_the_pad_alone(fill):
+    """A padding value that is the same at every scale (or a promoted zero at the operand's
+    scale) pads the data as it is: no scale is worked out, no data rescaled."""
+    x = js.scaled_array(jnp.array([1.0, -2.0], jnp.float16), 2.0**-20)
+    pad = lambda x: lax.pad(x, jnp.asarray(fill(x), x.dtype), [(1, 2, 1)])  # noqa: E731
+    jaxpr = jax.make_jaxpr(js.scalify(pad))(x).jaxpr
+    staged = [e.primitive.name for e in jaxpr.eqns if e.primitive.name != "broadcast_in_dim"]
+    assert staged == ["pad"]
+    out = jax.jit(js.scalify(pad))(x)
+    assert float(out.scale) == 2.0**-20
+    np.testing.assert_array_equal(value64(out), value64(jax.jit(pad)(js.asarray(x, jnp.float32))))
+
+
 @few  # bit identity does not depend on the values drawn
 @given(data=st.data())
 def test_shape_rules_e8m0_bit_identical(data):

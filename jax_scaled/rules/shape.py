@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jax_scaled._jax_internals import Primitive, optimization_barrier_p, split_p
+from jax_scaled._jax_internals import Primitive, Tracer, optimization_barrier_p, split_p
 from jax_scaled.array import ScaledArray, Value
 from jax_scaled.engine import estimates
 from jax_scaled.engine.registry import Property, register_scale_rule
@@ -26,6 +27,7 @@ from jax_scaled.scales import (
     guarded,
     make_scale,
     max_scale,
+    out_scale_dtype,
     scale_f32,
     wide_data,
 )
@@ -123,10 +125,32 @@ def pad_rule(x: Value, padding_value: Value, **params) -> ScaledArray:
     the rule as a plain scalar of scale 1). Padding is then bit exact.
     """
     value = as_scaled(padding_value)
+    if _pads_at_operand_scale(x, value):
+        scale = x.scale
+        if scale.dtype != out_scale_dtype(x, padding_value):
+            scale = make_scale(scale_f32(x), x, padding_value)
+        return ScaledArray(lax.pad_p.bind(x.data, value.data, **params), scale)
     special = (value.data == 0) | ~jnp.isfinite(value.data)
     common = jnp.where(special, scale_f32(x), jnp.maximum(scale_f32(x), scale_f32(value)))
     (data, fill), scale = align(x, value, scale=common)
     return ScaledArray(lax.pad_p.bind(data, fill, **params), make_scale(scale, x, padding_value))
+
+
+def _pads_at_operand_scale(x: Value, value: ScaledArray) -> bool:
+    """True where ``x``'s data pads with ``value``'s data as it is: a padding value at
+    ``x``'s own scale (a zero the interpreter promoted shares the scale), or one known at trace
+    time to be zero, infinite or NaN (a literal: the same at any scale). Nothing is then
+    staged for the common scale, whose traced test of the value and float division XLA
+    compiled in a kernel of their own (the transpose of each slice of the attention's
+    ``qkv``)."""
+    if not isinstance(x, ScaledArray) or getattr(value.data, "dtype", None) != x.data.dtype:
+        return False
+    if value.scale is x.scale:
+        return True
+    if isinstance(value.data, Tracer):
+        return False
+    fill = np.asarray(value.data)
+    return bool(fill == 0 or not np.isfinite(fill))
 
 
 @register_scale_rule(optimization_barrier_p)
