@@ -27,7 +27,6 @@ from jax_scaled.scales import (
     guarded,
     make_scale,
     max_scale,
-    out_scale_dtype,
     scale_f32,
     wide_data,
 )
@@ -126,10 +125,8 @@ def pad_rule(x: Value, padding_value: Value, **params) -> ScaledArray:
     """
     value = as_scaled(padding_value)
     if _pads_at_operand_scale(x, value):
-        scale = x.scale
-        if scale.dtype != out_scale_dtype(x, padding_value):
-            scale = make_scale(scale_f32(x), x, padding_value)
-        return ScaledArray(lax.pad_p.bind(x.data, value.data, **params), scale)
+        data = lax.pad_p.bind(x.data, value.data, **params)
+        return ScaledArray(data, make_scale(scale_f32(x), x, padding_value))
     special = (value.data == 0) | ~jnp.isfinite(value.data)
     common = jnp.where(special, scale_f32(x), jnp.maximum(scale_f32(x), scale_f32(value)))
     (data, fill), scale = align(x, value, scale=common)
