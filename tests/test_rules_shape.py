@@ -10,8 +10,13 @@ import numpy as np
 import pytest
 from helpers import (
     FLOAT_DTYPES,
+    HOW,
+    all_eqns,
+    built,
     check_e8m0_matches,
     check_named,
+    covering,
+    random_data,
     scaled_arrays,
     shapes,
     value64,
@@ -19,6 +24,7 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
+from jax.extend.core import Literal
 
 import jax_scaled as js
 
@@ -141,6 +147,27 @@ def test_pad_with_a_value_of_any_scale_stages_the_pad_alone(fill):
     out = jax.jit(js.scalify(pad))(x)
     assert float(out.scale) == 2.0**-20
     np.testing.assert_array_equal(value64(out), value64(jax.jit(pad)(js.asarray(x, jnp.float32))))
+
+
+@pytest.mark.parametrize(
+    ("how", "dtype", "scale"),
+    covering(HOW, [(jnp.float16, 2.0**-20), (jnp.float16, 2.0**20), (jnp.float32, 2.0**-3)]),
+)
+def test_gradients_of_attention_slices_pad_exactly_at_their_scale(how, dtype, scale):
+    """The gradient of slicing ``q, k, v`` out of a fused projection (a transformer's
+    ``qkv[:, :, i]``) is a pad of each slice's cotangent with a zero literal: exact, one
+    ``pad`` each (49k elements, the value built every way)."""
+    qkv = built(how, random_data(0, (8, 64, 3, 32), jnp.float32), dtype, scale)
+
+    def loss(qkv):
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        return 0.5 * jnp.sum(q * q) + jnp.sum(k) * 0.0 + 0.5 * jnp.sum(v * v)
+
+    grad = js.scalify(jax.grad(loss))
+    pads = [e for e in all_eqns(jax.make_jaxpr(grad)(qkv).jaxpr) if e.primitive.name == "pad"]
+    assert len(pads) == 3 and all(isinstance(e.invars[1], Literal) for e in pads)
+    expected = value64(qkv) * np.array([1.0, 0.0, 1.0])[:, None]  # d/dq = q, d/dv = v
+    np.testing.assert_array_equal(value64(jax.jit(grad)(qkv)), expected)
 
 
 @few  # bit identity does not depend on the values drawn
