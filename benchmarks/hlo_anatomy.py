@@ -3,6 +3,7 @@
     python benchmarks/hlo_anatomy.py                      # fp32 and fp16_scalify, 1 layer
     python benchmarks/hlo_anatomy.py --configs fp8_policy_scalify --layers 2 --lines 15
     python benchmarks/hlo_anatomy.py --configs fp16_raw,fp16_scalify --part grads
+    python benchmarks/hlo_anatomy.py --configs fp16,fp16_scalify --part grads --per-layer
 
 For each configuration of ``benchmarks/model_scale.py`` (the Table 3 GPT's train step, built
 the same way), the optimised HLO module is split into:
@@ -27,6 +28,11 @@ metadata (parameters, constants, kernel calls).
 configuration's parameter storage); ``plain-optimizer``, those gradients turned into plain
 float32 arrays and applied by the plain float32 optimizer of ``fp32``: the size a step
 would have if the optimizer's update cost what a plain program's does.
+
+``--per-layer`` compiles ``--layers`` and one layer more and reports the difference: what
+one more layer costs, the part of the module that grows with depth (compile time follows
+it), with each source line's most frequent opcodes (``:T`` an array result, ``:s`` a scalar
+in a tensor kernel, ``:S`` a scalar-only computation, ``:E`` the entry computation).
 """
 
 from __future__ import annotations
@@ -64,10 +70,33 @@ class Anatomy:
     kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     scalar_opcodes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     lines: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    line_opcodes: collections.defaultdict = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(collections.Counter)
+    )
 
     @property
     def total(self) -> int:
         return sum(self.kinds.values())
+
+    def minus(self, other: Anatomy) -> Anatomy:
+        """The counts of ``self`` less those of ``other`` (one module against a smaller one).
+
+        Example:
+            >>> big, small = Anatomy(computations=3), Anatomy(computations=1)
+            >>> big.kinds["entry"], small.kinds["entry"] = 5, 2
+            >>> (big.minus(small).computations, big.minus(small).kinds["entry"])
+            (2, 3)
+        """
+        result = Anatomy(computations=self.computations - other.computations)
+        for field in ("kinds", "scalar_opcodes", "lines"):
+            counts = getattr(self, field).copy()
+            counts.subtract(getattr(other, field))
+            setattr(result, field, counts)
+        for where in set(self.line_opcodes) | set(other.line_opcodes):
+            counts = self.line_opcodes[where].copy()
+            counts.subtract(other.line_opcodes[where])
+            result.line_opcodes[where] = counts
+        return result
 
 
 def _source_lines(hlo_text: str) -> dict[int, str]:
@@ -119,38 +148,55 @@ def anatomy(hlo_text: str) -> Anatomy:
                          for _, m in parsed)  # fmt: skip
         for line, match in parsed:
             opcode = match.group(3) if match else "tuple"
+            tensor = bool(match and match.group(2))
+            if is_entry:
+                where_computed = "E"
+            else:
+                where_computed = "T" if tensor else ("s" if has_tensor else "S")
             if opcode in ("parameter", "constant"):
                 kind = "plumbing"
             elif is_entry:
                 kind = "entry"
-            elif match and match.group(2):
+            elif tensor:
                 kind = "tensor ops"
             else:
                 kind = "scalar ops in tensor kernels" if has_tensor else "scalar-only computations"
                 result.scalar_opcodes[opcode] += 1
             result.kinds[kind] += 1
             frame = _FRAME.search(line)
-            result.lines[frames.get(int(frame.group(1)), "?") if frame else "(none)"] += 1
+            where = frames.get(int(frame.group(1)), "?") if frame else "(none)"
+            result.lines[where] += 1
+            result.line_opcodes[where][f"{opcode}:{where_computed}"] += 1
     return result
 
 
-def report(name: str, layers: int, layout: str, found: Anatomy, lines: int) -> list[str]:
-    """Markdown lines describing ``found``."""
+def report(
+    name: str, layers: int | str, layout: str, found: Anatomy, lines: int, opcodes: int = 0
+) -> list[str]:
+    """Markdown lines describing ``found``; with ``opcodes``, that many of each listed source
+    line's most frequent opcodes in a third column."""
     total = found.total
     out = [f"### {name}, {layers} layer(s), {layout}: {total:,} HLO instructions, "
            f"{found.computations} computations", "", "| kind | instructions | share |",
            "| --- | --- | --- |"]  # fmt: skip
     out += [f"| {k} | {found.kinds[k]:,} | {found.kinds[k] / total:.0%} |" for k in KINDS]
-    opcodes = ", ".join(f"{op} {n:,}" for op, n in found.scalar_opcodes.most_common(10))
-    out += [
-        "",
-        f"Scalar opcodes: {opcodes}.",
-        "",
-        "| source line | instructions |",
-        "| --- | --- |",
-    ]
-    out += [f"| {where} | {n:,} |" for where, n in found.lines.most_common(lines)]
+    scalar_opcodes = ", ".join(f"{op} {n:,}" for op, n in _nonzero(found.scalar_opcodes, 10))
+    out += ["", f"Scalar opcodes: {scalar_opcodes}.", ""]
+    if not opcodes:
+        out += ["| source line | instructions |", "| --- | --- |"]
+        out += [f"| {where} | {n:,} |" for where, n in _nonzero(found.lines, lines)]
+        return out + [""]
+    out += ["| source line | instructions | most frequent opcodes |", "| --- | --- | --- |"]
+    for where, n in _nonzero(found.lines, lines):
+        common = _nonzero(found.line_opcodes[where], opcodes)
+        out.append(f"| {where} | {n:,} | {', '.join(f'{op} {k:,}' for op, k in common)} |")
     return out + [""]
+
+
+def _nonzero(counts: collections.Counter, most: int) -> list[tuple[str, int]]:
+    """The ``most`` largest of ``counts`` but its zeros (a difference of two modules has
+    them, and negative counts where the larger module has fewer)."""
+    return [(key, n) for key, n in counts.most_common() if n][:most]
 
 
 def compiled_step_text(name: str, size, layout: str, params, batch) -> str:
@@ -190,8 +236,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--layout", default="unrolled", choices=("unrolled", "scan"))
     parser.add_argument("--lines", type=int, default=10, help="source lines to list")
-    parser.add_argument("--part", default="step", choices=PARTS,
-                        help="what to compile (see the module notes)")  # fmt: skip
+    parser.add_argument(
+        "--part", default="step", choices=PARTS, help="what to compile (see the module notes)"
+    )
+    parser.add_argument(
+        "--per-layer", action="store_true", help="report what one layer more than --layers adds"
+    )
     args = parser.parse_args(argv)
     args.configs = args.configs.split(",")
     unknown = sorted(set(args.configs) - set(ms.PRECISIONS))
@@ -202,13 +252,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    size = dataclasses.replace(ms.SIZE, layers=args.layers)
-    params = ms.init_params(size.model_config(ms.VOCAB), args.layout, 0)
-    batch = ms.batch_of(size)
+    sizes = [dataclasses.replace(ms.SIZE, layers=args.layers + extra)
+             for extra in ((0, 1) if args.per_layer else (0,))]  # fmt: skip
+    params = [ms.init_params(size.model_config(ms.VOCAB), args.layout, 0) for size in sizes]
+    batch = ms.batch_of(sizes[0])
     for name in args.configs:
-        text = compiled_part_text(name, size, args.layout, params, batch, args.part)
         label = name if args.part == "step" else f"{name} ({args.part})"
-        print("\n".join(report(label, args.layers, args.layout, anatomy(text), args.lines)))
+        found = [
+            anatomy(compiled_part_text(name, size, args.layout, p, batch, args.part))
+            for size, p in zip(sizes, params, strict=True)
+        ]
+        if args.per_layer:
+            layers = f"{args.layers + 1} minus {args.layers}"
+            table = report(label, layers, args.layout, found[1].minus(found[0]), args.lines, 8)
+        else:
+            table = report(label, args.layers, args.layout, found[0], args.lines)
+        print("\n".join(table))
     return 0
 
 

@@ -18,11 +18,12 @@ TINY = dataclasses.replace(ms.SIZE, width=16, heads=2, context=8, batch_size=2, 
 
 
 @functools.cache
-def _compiled_part(name: str, part: str = "step") -> str:
-    """One compilation per configuration and part for both tests (each takes seconds)."""
-    params = ms.init_params(TINY.model_config(ms.VOCAB), "unrolled", 0)
-    batch = ms.batch_of(TINY)
-    return hlo_anatomy.compiled_part_text(name, TINY, "unrolled", params, batch, part)
+def _compiled_part(name: str, part: str = "step", layers: int = 1) -> str:
+    """One compilation per configuration, part and depth for all tests (each takes seconds)."""
+    size = dataclasses.replace(TINY, layers=layers)
+    params = ms.init_params(size.model_config(ms.VOCAB), "unrolled", 0)
+    batch = ms.batch_of(size)
+    return hlo_anatomy.compiled_part_text(name, size, "unrolled", params, batch, part)
 
 
 def test_kinds_add_up_and_lines_are_attributed():
@@ -52,3 +53,17 @@ def test_the_step_s_parts_compile_less_than_the_step():
     counts = {part: ms.hlo_instructions(_compiled_part("fp16_scalify", part)) for part in parts}
     assert counts["grads"] < counts["plain-optimizer"] < counts["step"], counts
     assert hlo_anatomy.parse_args(["--part", "grads"]).part == "grads"
+
+
+def test_one_layer_more_is_the_difference_of_the_two_modules():
+    one, two = (hlo_anatomy.anatomy(_compiled_part("fp16_scalify", "grads", n)) for n in (1, 2))
+    added = two.minus(one)
+    assert added.total == two.total - one.total > 0
+    assert sum(added.lines.values()) == added.total
+    for where, n in added.lines.items():  # each line's opcodes add up to its instructions
+        assert sum(added.line_opcodes[where].values()) == n, where
+    table = hlo_anatomy.report("fp16_scalify", "2 minus 1", "unrolled", added, lines=4, opcodes=3)
+    assert table[-6] == "| --- | --- | --- |" and table[-1] == ""
+    rows = [row.split(" | ") for row in table[-5:-1]]
+    assert all(len(row) == 3 and ":" in row[2] and " 0," not in row[2] for row in rows)
+    assert hlo_anatomy.parse_args(["--per-layer"]).per_layer
