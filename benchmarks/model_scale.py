@@ -43,6 +43,9 @@ Columns:
   computation, so its code generation time follows this count (its own count, logged by
   ``TF_CPP_VMODULE=fusion_compiler=1``, was 13% to 17% lower on the 4-layer steps measured:
   its equality is looser than this one);
+* *temp MiB*: the compiled step's temporary buffers (``compiled.memory_analysis()``), the
+  activations kept for the backward pass among them; parameters, optimizer state and
+  outputs are the same in every configuration of one set of data types, and left out;
 * *trace / lower / compile s*: ``jax.jit(step).trace(...)``, ``.lower()``, ``.compile()``,
   fresh (a new ``jax.jit``, nothing of it cached), each the median of ``--builds`` builds; the
   rows of a group are built in turn, ``--builds`` rounds, like the steps (one compile on a
@@ -55,14 +58,16 @@ Columns:
   once). On CPU, XLA later computes them in wider types; the count is what each method asks of
   the compiler;
 * *vs fp32*: (trace + lower + compile) and step time over ``fp32``'s, same layers and layout;
-* *vs qwix*: HLO instructions, build and step time over those of the configuration's qwix
-  peer (:func:`qwix_peer`), for the scalify FP8 configurations: the qwix row with the same
-  FP8 dots when it is in the group (``qwix_mxfp8`` for the block-scaled recipes,
-  ``qwix_fp8_all_dots`` for ``fp8_policy_scalify``), ``qwix_fp8`` otherwise;
-* *vs plain of its types*: HLO instructions, build and step time of a scalify configuration
-  over those of the plain program with its data types (:func:`plain_twin`: the same compute,
-  master-weight and Adam-state dtypes, no scale propagation, no FP8) when that program is in
-  the group: ``fp16`` for ``fp16_scalify`` and ``fp8_policy_f32_storage_scalify``.
+* *vs qwix*: HLO instructions, build and step time and temporary memory over those of the
+  configuration's qwix peer (:func:`qwix_peer`), for the scalify FP8 configurations: the
+  qwix row with the same FP8 dots when it is in the group (``qwix_mxfp8`` for the
+  block-scaled recipes, ``qwix_fp8_all_dots`` for ``fp8_policy_scalify``), ``qwix_fp8``
+  otherwise;
+* *vs plain of its types*: HLO instructions, build and step time and temporary memory of a
+  scalify configuration over those of the plain program with its data types
+  (:func:`plain_twin`: the same compute, master-weight and Adam-state dtypes, no scale
+  propagation, no FP8) when that program is in the group: ``fp16`` for ``fp16_scalify`` and
+  ``fp8_policy_f32_storage_scalify``.
 
 Rows print as each (layers, layout) group finishes; ``--out`` also (re)writes the markdown
 table to a file after each group.
@@ -72,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import pathlib
 import re
 import statistics
@@ -121,8 +127,9 @@ QWIX_RULE_PATH = r"(.*/)?(qkv|proj|fc)"  # the blocks' Dense modules, unrolled o
 QWIX_FP8_PATHS = {QWIX: QWIX_RULE_PATH, QWIX_ALL: r"(.*/)?(qkv|proj|fc|attn)"}  # + attention
 FP8_DOT = re.compile(r"stablehlo\.(?:dot_general|convolution)\b.*: \(([^)]*)\) ->")
 HEADER = ("layers", "layout", "config", "jaxpr eqns", "HLO instrs", "kernels", "distinct",
-          "trace s", "lower s", "compile s", "step ms", "FP8 dots", "vs fp32 (build, step)",
-          "vs qwix (HLO, build, step)", "vs plain of its types (HLO, build, step)")  # fmt: skip
+          "temp MiB", "trace s", "lower s", "compile s", "step ms", "FP8 dots",
+          "vs fp32 (build, step)", "vs qwix (HLO, build, step, temp)",
+          "vs plain of its types (HLO, build, step, temp)")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -142,6 +149,7 @@ class Row:
     error: str = ""
     kernels: int = 0  # the compiled step's entry kernels (compile_breakdown.kernel_counts)
     distinct: int = 0  # of which distinct computations (compile_breakdown.distinct_kernels)
+    temp_mib: float = float("nan")  # the compiled step's temporary buffers (memory_analysis)
 
     @property
     def build(self) -> float:
@@ -268,8 +276,23 @@ def measure(row: Row, runner: table3.Runner, batch: tuple[np.ndarray, np.ndarray
     hlo_text = compiled.as_text()
     row.hlo, row.kernels = hlo_instructions(hlo_text), kernel_counts(hlo_text)[0]
     row.distinct = distinct_kernels(hlo_text)
+    row.temp_mib = temporary_mib(compiled)
     row.fp8_dots = fp8_dots(lowered.as_text())
     return compiled
+
+
+def temporary_mib(compiled: Any) -> float:
+    """MiB of ``compiled``'s temporary buffers, or NaN where the backend does not tell.
+
+    Example:
+        >>> compiled = jax.jit(lambda x: (x * 2.0).sum()).lower(np.ones(4, np.float32)).compile()
+        >>> temporary_mib(compiled) >= 0
+        True
+    """
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return float("nan")
+    return analysis.temp_size_in_bytes / 2**20
 
 
 def batch_of(size: table3.TrainConfig, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -381,11 +404,21 @@ def plain_twin(name: str, names: Sequence[str]) -> str | None:
 
 
 def plain_ratio(row: Row, ref: Row | None) -> str:
-    """``HLO, build, step`` of ``row`` over ``ref``'s (its plain twin, its qwix peer), or
-    ``-``."""
+    """``HLO, build, step, temp`` of ``row`` over ``ref``'s (its plain twin, its qwix
+    peer), or ``-``; the temporary memory ``-`` where a backend does not tell it.
+
+    Example:
+        >>> row, ref = Row(1, "scan", "fp16_scalify", hlo=30), Row(1, "scan", "fp16", hlo=20)
+        >>> row.compile = row.step_s = row.temp_mib = 3.0
+        >>> ref.compile = ref.step_s = ref.temp_mib = 2.0
+        >>> plain_ratio(row, ref)
+        '1.50x, 1.50x, 1.50x, 1.50x'
+    """
     if ref is None or row.error or ref.error:
         return "-"
-    return f"{row.hlo / ref.hlo:.2f}x, " + ratio(row, ref)
+    temp = row.temp_mib / ref.temp_mib if ref.temp_mib > 0 else float("nan")
+    temp_cell = f"{temp:.2f}x" if math.isfinite(temp) else "-"
+    return f"{row.hlo / ref.hlo:.2f}x, " + ratio(row, ref) + ", " + temp_cell
 
 
 def qwix_peer(name: str, by_name: dict[str, Row]) -> Row | None:
@@ -419,8 +452,8 @@ def table_lines(rows: Sequence[Row], header: bool = True) -> list[str]:
             continue
         fp8_scalify = PRECISIONS[r.config].scalify and PRECISIONS[r.config].fp8
         cells = [str(r.layers), r.layout, f"`{r.config}`", str(r.eqns), str(r.hlo),
-                 str(r.kernels), str(r.distinct), f"{r.trace:.2f}", f"{r.lower:.2f}",
-                 f"{r.compile:.2f}", f"{1e3 * r.step_s:.1f}", str(r.fp8_dots),
+                 str(r.kernels), str(r.distinct), f"{r.temp_mib:.1f}", f"{r.trace:.2f}",
+                 f"{r.lower:.2f}", f"{r.compile:.2f}", f"{1e3 * r.step_s:.1f}", str(r.fp8_dots),
                  ratio(r, by_name.get("fp32")),
                  plain_ratio(r, qwix_peer(r.config, by_name)) if fp8_scalify else "-",
                  plain_ratio(r, by_name.get(plain_twin(r.config, list(by_name))))]  # fmt: skip

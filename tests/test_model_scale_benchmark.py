@@ -21,7 +21,7 @@ def test_fp32_scan_row_counts_and_times():
     row, step, args = ms.prepare("fp32", TINY, "scan", params, ms.batch_of(TINY))
     assert not row.error and step is not None
     assert row.eqns > 0 and row.hlo > row.kernels >= row.distinct > 0 and row.build > 0
-    assert row.fp8_dots == 0
+    assert row.fp8_dots == 0 and row.temp_mib > 0
     ms.time_steps([(row, step, args)], reps=2)
     assert math.isfinite(row.step_s) and row.step_s > 0
 
@@ -74,24 +74,30 @@ def test_qwix_mxfp8_lowers_fp8_dots():
 
 
 def test_table_ratios():
-    rows = [ms.Row(1, "scan", name, 10, 20, 0.1, 0.1, 0.8, 1, 0.01) for name in
+    rows = [ms.Row(1, "scan", name, 10, 20, 0.1, 0.1, 0.8, 1, 0.01, temp_mib=4.0) for name in
             ("fp32", ms.QWIX, "fp8_scalify")]  # fmt: skip
-    rows[2].compile, rows[2].step_s = 1.8, 0.02
+    rows[2].compile, rows[2].step_s, rows[2].temp_mib = 1.8, 0.02, 5.0
     lines = ms.table_lines(rows)
-    assert len(lines) == 5 and lines[-1].endswith("| 2.00x, 2.00x | 1.00x, 2.00x, 2.00x | - |")
+    assert len(lines) == 5
+    assert lines[-1].endswith("| 2.00x, 2.00x | 1.00x, 2.00x, 2.00x, 1.25x | - |")
     assert lines[2].endswith("| - | - | - |")
+    assert lines[2].split(" | ")[ms.HEADER.index("temp MiB")] == "4.0"
+    rows[1].temp_mib = float("nan")  # a backend that does not tell its memory
+    assert ms.table_lines(rows)[-1].endswith("| 1.00x, 2.00x, 2.00x, - | - |")
 
 
 def test_scalified_rows_are_compared_with_the_plain_program_of_their_data_types():
     names = ("fp32", "fp16_raw", "fp16", ms.QWIX, "fp16_scalify", ms.POLICY_F32_STORAGE,
              "fp8_policy_scalify")  # fmt: skip
-    rows = [ms.Row(1, "unrolled", name, 10, 100, 0.1, 0.1, 0.8, 0, 0.01) for name in names]
+    rows = [ms.Row(1, "unrolled", name, 10, 100, 0.1, 0.1, 0.8, 0, 0.01, temp_mib=8.0)
+            for name in names]  # fmt: skip
     rows[4].hlo, rows[4].compile, rows[4].step_s = 250, 1.8, 0.02  # fp16_scalify
+    rows[4].temp_mib = 10.0
     rows[5].hlo = 180
     cells = [line.rstrip(" |").rsplit("| ", 1)[-1] for line in ms.table_lines(rows)[2:]]
     # fp16_raw stores in float16, as fp8_policy_scalify does, and fp16_scalify does not
-    assert cells == ["-", "-", "-", "-", "2.50x, 2.00x, 2.00x", "1.80x, 1.00x, 1.00x",
-                     "1.00x, 1.00x, 1.00x"]  # fmt: skip
+    assert cells == ["-", "-", "-", "-", "2.50x, 2.00x, 2.00x, 1.25x", "1.80x, 1.00x, 1.00x, 1.00x",
+                     "1.00x, 1.00x, 1.00x, 1.00x"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -101,12 +107,13 @@ def test_a_recipe_is_compared_with_the_qwix_row_of_its_fp8_dots_when_it_ran(peer
     # mxfp8_scalify: qwix's MXFP8; fp8_policy_scalify (every dot but the head's): qwix with
     # the attention products too. fp8_scalify keeps qwix_fp8; without the peer, so does each.
     names = ("fp32", ms.QWIX, peer, "fp8_scalify", recipe)
-    rows = [ms.Row(1, "unrolled", name, 10, 100, 0.1, 0.1, 0.8, 1, 0.01) for name in names]
+    rows = [ms.Row(1, "unrolled", name, 10, 100, 0.1, 0.1, 0.8, 1, 0.01, temp_mib=2.0)
+            for name in names]  # fmt: skip
     rows[2].hlo = 200  # the recipe's peer
     qwix_cells = [line.split(" | ")[-2] for line in ms.table_lines(rows)[2:]]
-    assert qwix_cells[3:] == ["1.00x, 1.00x, 1.00x", "0.50x, 1.00x, 1.00x"]
+    assert qwix_cells[3:] == ["1.00x, 1.00x, 1.00x, 1.00x", "0.50x, 1.00x, 1.00x, 1.00x"]
     without_peer = [line.split(" | ")[-2] for line in ms.table_lines(rows[:2] + rows[3:])[2:]]
-    assert without_peer[-1] == "1.00x, 1.00x, 1.00x"
+    assert without_peer[-1] == "1.00x, 1.00x, 1.00x, 1.00x"
 
 
 def test_unknown_config_is_an_error():
