@@ -69,14 +69,18 @@ class Anatomy:
     computations: int = 0
     kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     scalar_opcodes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    lines: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     line_opcodes: collections.defaultdict = dataclasses.field(
         default_factory=lambda: collections.defaultdict(collections.Counter)
-    )
+    )  # source line -> "opcode:where" -> instructions
 
     @property
     def total(self) -> int:
         return sum(self.kinds.values())
+
+    @property
+    def lines(self) -> collections.Counter:
+        """Instructions by source line."""
+        return collections.Counter({w: sum(c.values()) for w, c in self.line_opcodes.items()})
 
     def minus(self, other: Anatomy) -> Anatomy:
         """The counts of ``self`` less those of ``other`` (one module against a smaller one).
@@ -88,7 +92,7 @@ class Anatomy:
             (2, 3)
         """
         result = Anatomy(computations=self.computations - other.computations)
-        for field in ("kinds", "scalar_opcodes", "lines"):
+        for field in ("kinds", "scalar_opcodes"):
             counts = getattr(self, field).copy()
             counts.subtract(getattr(other, field))
             setattr(result, field, counts)
@@ -165,7 +169,6 @@ def anatomy(hlo_text: str) -> Anatomy:
             result.kinds[kind] += 1
             frame = _FRAME.search(line)
             where = frames.get(int(frame.group(1)), "?") if frame else "(none)"
-            result.lines[where] += 1
             result.line_opcodes[where][f"{opcode}:{where_computed}"] += 1
     return result
 

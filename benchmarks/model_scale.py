@@ -452,7 +452,8 @@ def table_lines(rows: Sequence[Row], header: bool = True) -> list[str]:
             continue
         fp8_scalify = PRECISIONS[r.config].scalify and PRECISIONS[r.config].fp8
         cells = [str(r.layers), r.layout, f"`{r.config}`", str(r.eqns), str(r.hlo),
-                 str(r.kernels), str(r.distinct), f"{r.temp_mib:.1f}", f"{r.trace:.2f}",
+                 str(r.kernels), str(r.distinct),
+                 f"{r.temp_mib:.1f}" if math.isfinite(r.temp_mib) else "-", f"{r.trace:.2f}",
                  f"{r.lower:.2f}", f"{r.compile:.2f}", f"{1e3 * r.step_s:.1f}", str(r.fp8_dots),
                  ratio(r, by_name.get("fp32")),
                  plain_ratio(r, qwix_peer(r.config, by_name)) if fp8_scalify else "-",
