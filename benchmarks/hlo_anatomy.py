@@ -218,6 +218,7 @@ def compiled_part_text(name: str, size, layout: str, params, batch, part: str) -
     model = ms.make_model(name, size.model_config(ms.VOCAB), layout)
     grads = jax.value_and_grad(ms.table3.make_loss(model, precision))
     grads = js.scalify(grads) if precision.scalify else grads
+    grads = ms.guard_floor(grads) if name == ms.GUARD_FLOOR else grads
     stored = ms.build(name, size, layout, params).state[0]
     if part == "grads":
         return jax.jit(grads).lower(stored, *batch).compile().as_text()

@@ -21,7 +21,9 @@ float16 compute on float32 master weights and Adam state (``fp16`` is ``fp16_sca
 types without scale propagation: no loss scaling, so it does not train; its program is the
 reference of size and speed); ``fp8_policy_f32_storage_scalify`` is ``fp8_policy_scalify``
 with float32 master weights and Adam state, qwix's storage, where ``fp8_policy_scalify``
-keeps both in float16; ``qwix_fp8`` is the same bf16 step with the unmodified model
+keeps both in float16; ``fp16_guard_floor`` is the ``fp16`` step with only the range guard's
+work added (``benchmarks/guard_floor.py``: what no scalified float16 step compiles below);
+``qwix_fp8`` is the same bf16 step with the unmodified model
 handed to qwix's quantized training (``qwix.quantize_model(model, qwix.QtProvider([rule]))``,
 rule :func:`qwix_rule`: the blocks' weight matmuls ``qkv``, ``proj`` and ``fc`` take E4M3
 operands forward and an E5M2 output gradient backward; attention products and the output head
@@ -66,7 +68,8 @@ Columns:
 * *vs plain of its types*: HLO instructions, build and step time and temporary memory of a
   scalify configuration over those of the plain program with its data types
   (:func:`plain_twin`: the same compute, master-weight and Adam-state dtypes, no scale
-  propagation, no FP8) when that program is in the group: ``fp16`` for ``fp16_scalify`` and
+  propagation, no FP8) when that program is in the group: ``fp16`` for ``fp16_scalify``,
+  ``fp16_guard_floor`` and
   ``fp8_policy_f32_storage_scalify``.
 
 Rows print as each (layers, layout) group finishes; ``--out`` also (re)writes the markdown
@@ -96,6 +99,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from compile_breakdown import distinct_kernels, kernel_counts  # noqa: E402
+from guard_floor import guard_floor  # noqa: E402
 
 import jax_scaled as js  # noqa: E402
 from experiments import gpt, table3  # noqa: E402
@@ -108,10 +112,12 @@ QWIX_PEERS = (QWIX, QWIX_ALL, QWIX_MX)
 VOCAB = 96  # benchmarks/table3_compile.py's
 SIZE = table3.SIZES["full"]  # width 128, heads 4, batch 16 x context 128
 POLICY_F32_STORAGE = "fp8_policy_f32_storage_scalify"
+GUARD_FLOOR = "fp16_guard_floor"  # the fp16 step with only the range guard's work added
 PRECISIONS: dict[str, table3.Precision] = {
     **table3.PRECISIONS,
     "bf16": table3.Precision("bf16", "", compute_dtype=BF16),
     "fp16": table3.Precision("fp16", "", compute_dtype=table3.F16),
+    GUARD_FLOOR: table3.Precision(GUARD_FLOOR, "", compute_dtype=table3.F16),
     QWIX: table3.Precision(QWIX, "", compute_dtype=BF16),
     QWIX_ALL: table3.Precision(QWIX_ALL, "", compute_dtype=BF16),
     QWIX_MX: table3.Precision(QWIX_MX, "", compute_dtype=BF16),
@@ -228,6 +234,8 @@ def build(name: str, size: table3.TrainConfig, layout: str, params: Any) -> tabl
         step = table3.make_loss_scaled_step(loss, opt, size.loss_scale_period)
     else:
         step = table3.make_step(loss, opt, precision)
+    if name == GUARD_FLOOR:
+        step = guard_floor(step)
     step = jax.jit(js.scalify(step) if precision.scalify else step)
     state = table3.initial_state(params, opt, precision, size)
     return table3.Runner(precision, state, step, loss)
@@ -383,21 +391,24 @@ def ratio(row: Row, ref: Row | None) -> str:
 def plain_twin(name: str, names: Sequence[str]) -> str | None:
     """The configuration of ``names`` that computes and stores in the data types of the
     scalified ``name`` (compute, master weights, Adam state) with no scale propagation, no
-    FP8 and no loss scaling: ``fp16`` for ``fp16_scalify``; None when there is none.
+    FP8 and no loss scaling: ``fp16`` for ``fp16_scalify`` and for the guard's floor
+    (``fp16_guard_floor``); None when there is none.
 
     Example:
-        >>> plain_twin("fp16_scalify", ["fp32", "fp16_raw", "fp16"])
+        >>> plain_twin("fp16_scalify", ["fp32", "fp16_guard_floor", "fp16_raw", "fp16"])
+        'fp16'
+        >>> plain_twin("fp16_guard_floor", ["fp16"])
         'fp16'
         >>> plain_twin("fp8_policy_scalify", ["fp32", "fp16"]) is None  # float16 storage
         True
     """
     precision = PRECISIONS[name]
-    if not precision.scalify:
+    if not (precision.scalify or name == GUARD_FLOOR):
         return None
     types = (precision.compute_dtype, precision.master_dtype, precision.state_dtype)
     for other in names:
         p = PRECISIONS[other]
-        plain = not (p.scalify or p.fp8 or p.loss_scaling or other in QWIX_PEERS)
+        plain = not (p.scalify or p.fp8 or p.loss_scaling or other in (*QWIX_PEERS, GUARD_FLOOR))
         if plain and (p.compute_dtype, p.master_dtype, p.state_dtype) == types:
             return other
     return None

@@ -1,0 +1,180 @@
+"""The range guard's floor: a plain float16 program with only the guard's work added.
+
+    python benchmarks/model_scale.py --layers 1,4,8 --layouts unrolled --configs \
+        fp16,fp16_guard_floor,fp16_scalify
+    python benchmarks/hlo_anatomy.py --configs fp16,fp16_guard_floor,fp16_scalify --per-layer
+
+The range guard stays on by default, so no scalified float16 step can compile faster than
+the plain float16 step with the guard's work added and nothing else. :func:`guard_floor`
+builds that program: it evaluates the plain step's jaxpr equation by equation and sends the
+float16 outputs that ``fp16_scalify`` range-guards through :func:`jax_scaled.scales.guard.
+guarded`, the guard scalify's rules call (the largest magnitude, the factor looked up by its
+binade and computed once, the data divided by it):
+
+* contractions (``dot_general``) with a float16 result, computed with a float32 result;
+* sums of float16 data over more than one element into a vector (``reduce_sum``: the bias
+  and layer-norm parameter gradients), summed in float32;
+* accumulated cotangents (``add_any``), added in float32;
+* sums and differences of two tensors of the result's shape, neither a broadcast, read twice
+  or more: the residual stream's joins, which scalify guards so that XLA stores them once
+  (``engine/fusion.py``, ``guards_shared_sum``);
+* the casts of the step's float32 inputs (the parameters) to float16, their factors worked
+  out together as scalify does (``guard_factors_together``).
+
+Nothing else of scalify is there: no scale propagates, each guard's scale leaves as a factor
+of one product, which the program adds to its loss times zero so that XLA keeps every
+guard. Its numbers are therefore the plain program's only where no guard moves a power of
+two (data in the guard's band): it is a measure of cost, not a training step. The
+configuration ``fp16_guard_floor`` of ``model_scale.py`` is the ``fp16``
+step floored this way.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
+
+from jax_scaled.array import engine_builds
+from jax_scaled.memo import scale_memo
+from jax_scaled.scales.guard import guard_factors_together, guarded
+
+F16 = jnp.dtype(jnp.float16)
+# Equations evaluated as their one sub-jaxpr (the guards' operands can be inside them).
+INLINED = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+           "remat": "jaxpr", "checkpoint": "jaxpr"}  # fmt: skip
+GUARDED = ("dot_general", "reduce_sum", "add_any", "sum", "cast")
+
+
+def guard_floor(fn: Callable) -> Callable:
+    """``fn`` (a float16 program) with the range guard's work added on the outputs
+    ``fp16_scalify`` guards (module notes); its first 0-d float output gains ``0 *`` the
+    product of the guards' scales.
+
+    Example:
+        >>> f = guard_floor(lambda x, w: (jnp.sum(x @ w), x @ w))
+        >>> x, w = jnp.ones((4, 8), jnp.float16), jnp.ones((8, 2), jnp.float16)
+        >>> total, y = f(x, w)  # 8 a product: in the float16 band, no power of two moved
+        >>> float(total), y.dtype, float(y[0, 0])
+        (64.0, dtype('float16'), 8.0)
+        >>> guard_counts(jax.make_jaxpr(f)(x, w).jaxpr)["dot_general"]
+        2
+    """
+
+    def floored(*args: Any) -> Any:
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        inputs, leaves = set(closed.jaxpr.invars), jax.tree.leaves(args)
+        with scale_memo(), engine_builds():
+            guard_factors_together(_cast_inputs(closed.jaxpr, leaves), F16)  # as scalify does
+            product = [np.float32(1.0)]
+            outs = _evaluate(closed, leaves, inputs, product)
+        return jax.tree.unflatten(jax.tree.structure(shapes), _kept(outs, product[0]))
+
+    return floored
+
+
+def guard_counts(jaxpr: Jaxpr) -> collections.Counter:
+    """The guards of a floored program by kind (:data:`GUARDED`): the casts of their data to
+    float16 (one a guard) under the names :func:`guard_floor` gives each guard's equations
+    (``guard:<kind>``).
+
+    Example:
+        >>> guard_counts(jax.make_jaxpr(guard_floor(lambda x: (x + x).sum()))(jnp.ones(3)).jaxpr)
+        Counter()
+    """
+    found = collections.Counter()
+    for eqn in jaxpr.eqns:
+        for kind in GUARDED:
+            named = f"guard:{kind}/" in f"{eqn.source_info.name_stack}/"
+            cast = eqn.primitive.name == "convert_element_type"
+            if named and cast and eqn.params["new_dtype"] == F16:
+                found[kind] += 1
+    return found
+
+
+def _cast_inputs(jaxpr: Jaxpr, leaves: Sequence[Any]) -> list:
+    """The inputs (of ``leaves``, for ``jaxpr``'s inputs) that ``jaxpr`` casts to float16."""
+    values = dict(zip(jaxpr.invars, leaves, strict=True))
+    inputs = set(values)
+    return [values[e.invars[0]] for e in jaxpr.eqns if _guard_kind(e, {}, inputs, set()) == "cast"]
+
+
+def _evaluate(closed: ClosedJaxpr, args: Sequence[Any], inputs: set, product: list) -> list:
+    jaxpr = closed.jaxpr
+    env: dict = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    operands = [v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)]
+    readers = collections.Counter(operands)
+    broadcasts = {
+        v for e in jaxpr.eqns if e.primitive.name == "broadcast_in_dim" for v in e.outvars
+    }
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        values = [read(v) for v in eqn.invars]
+        kind = _guard_kind(eqn, readers, inputs, broadcasts)
+        if eqn.primitive.name in INLINED:
+            outs = _evaluate(eqn.params[INLINED[eqn.primitive.name]], values, set(), product)
+        elif kind is not None:
+            with jax.named_scope(f"guard:{kind}"):
+                data, scale = _guarded(eqn, values)
+            product[0] = product[0] * scale
+            outs = [data]
+        else:
+            outs = eqn.primitive.bind(*values, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _guard_kind(eqn: JaxprEqn, readers: Mapping, inputs: set, broadcasts: set) -> str | None:
+    """Which of :data:`GUARDED` ``eqn``'s output is, or None (module notes); ``broadcasts``:
+    the outputs of ``broadcast_in_dim``."""
+    out = eqn.outvars[0].aval if len(eqn.outvars) == 1 else None
+    if out is None or getattr(out, "dtype", None) != F16 or out.ndim == 0:
+        return None
+    name, operands = eqn.primitive.name, [v.aval for v in eqn.invars]
+    if name == "dot_general" or name == "add_any":
+        return name
+    if name == "reduce_sum" and operands[0].size > out.size:
+        return name
+    shared = name in ("add", "sub") and readers.get(eqn.outvars[0], 0) >= 2
+    whole = all(not isinstance(v, Literal) and v.aval.shape == out.shape for v in eqn.invars)
+    if shared and whole and not any(v in broadcasts for v in eqn.invars):
+        return "sum"
+    if name == "convert_element_type" and eqn.invars[0] in inputs:
+        return "cast"
+    return None
+
+
+def _guarded(eqn: JaxprEqn, values: list) -> tuple[jax.Array, jax.Array]:
+    """The guarded float16 data of ``eqn``'s output, and its scale."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        wide = eqn.primitive.bind(*values, **{**eqn.params, "preferred_element_type": jnp.float32})
+    elif name == "reduce_sum":
+        wide = eqn.primitive.bind(values[0].astype(jnp.float32), **eqn.params)
+    elif name == "convert_element_type":
+        wide = values[0]
+    else:
+        wide = eqn.primitive.bind(*(v.astype(jnp.float32) for v in values))
+    out = guarded(wide, np.float32(1.0), F16)
+    return out.data, out.scale
+
+
+def _kept(outs: list, product: Any) -> list:
+    """``outs`` with ``0 * product`` added to the first 0-d float: XLA does not fold a float
+    product by zero (it is NaN for an infinite factor), so every guard stays in the program."""
+    for i, out in enumerate(outs):
+        if jnp.ndim(out) == 0 and jnp.issubdtype(jnp.result_type(out), jnp.floating):
+            zero = (jnp.asarray(product, jnp.float32) * 0).astype(jnp.result_type(out))
+            return [*outs[:i], out + zero, *outs[i + 1 :]]
+    raise ValueError("guard_floor needs a 0-d float output (a loss) to keep its guards in")
