@@ -26,9 +26,8 @@ Nothing else of scalify is there: no scale propagates, and each guard's scale is
 Its numbers are therefore the plain program's only where no guard moves a power of two
 (data in the guard's band): it is a measure of cost, not a training step. (Kept as the
 factors of one product added to the loss times zero, the scales made a chain through the
-whole step, which cost XLA's passes a second at 16 layers.) The
-configuration ``fp16_guard_floor`` of ``model_scale.py`` is the ``fp16``
-step floored this way.
+whole step, which cost XLA's passes a second at 16 layers.) The configuration
+``fp16_guard_floor`` of ``model_scale.py`` is the ``fp16`` step floored this way.
 """
 
 from __future__ import annotations
@@ -43,6 +42,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from jax_scaled.array import engine_builds
+from jax_scaled.engine.fusion import guards_shared_sum
+from jax_scaled.engine.peephole import use_counts
 from jax_scaled.memo import scale_memo
 from jax_scaled.scales.guard import guard_factors_together, guarded
 
@@ -50,7 +51,7 @@ F16 = jnp.dtype(jnp.float16)
 # Equations evaluated as their one sub-jaxpr (the guards' operands can be inside them).
 INLINED = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-           "remat": "jaxpr", "checkpoint": "jaxpr"}  # fmt: skip
+           "remat2": "jaxpr"}  # fmt: skip
 GUARDED = ("dot_general", "reduce_sum", "add_any", "sum", "cast")
 
 
@@ -101,16 +102,16 @@ def guard_counts(jaxpr: Jaxpr) -> collections.Counter:
 def _cast_inputs(jaxpr: Jaxpr, leaves: Sequence[Any]) -> list:
     """The inputs (of ``leaves``, for ``jaxpr``'s inputs) that ``jaxpr`` casts to float16."""
     values = dict(zip(jaxpr.invars, leaves, strict=True))
-    inputs = set(values)
-    return [values[e.invars[0]] for e in jaxpr.eqns if _guard_kind(e, {}, inputs, set()) == "cast"]
+    return [values[e.invars[0]] for e in jaxpr.eqns if _casts_input(e, set(values))]
 
 
-def _evaluate(closed: ClosedJaxpr, args: Sequence[Any], inputs: set) -> list:
+def _evaluate(closed: ClosedJaxpr | Jaxpr, args: Sequence[Any], inputs: set) -> list:
+    if isinstance(closed, Jaxpr):  # a checkpoint's body
+        closed = ClosedJaxpr(closed, [])
     jaxpr = closed.jaxpr
     env: dict = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    operands = [v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)]
-    readers = collections.Counter(operands)
+    readers = use_counts(jaxpr)
     broadcasts = {
         v for e in jaxpr.eqns if e.primitive.name == "broadcast_in_dim" for v in e.outvars
     }
@@ -134,23 +135,30 @@ def _evaluate(closed: ClosedJaxpr, args: Sequence[Any], inputs: set) -> list:
 
 
 def _guard_kind(eqn: JaxprEqn, readers: Mapping, inputs: set, broadcasts: set) -> str | None:
-    """Which of :data:`GUARDED` ``eqn``'s output is, or None (module notes); ``broadcasts``:
-    the outputs of ``broadcast_in_dim``."""
-    out = eqn.outvars[0].aval if len(eqn.outvars) == 1 else None
-    if out is None or getattr(out, "dtype", None) != F16 or out.ndim == 0:
+    """Which of :data:`GUARDED` ``eqn``'s output is, or None (module notes); ``readers``:
+    each variable's uses, ``broadcasts``: the outputs of ``broadcast_in_dim``."""
+    if not _narrow_tensor_out(eqn):
         return None
-    name, operands = eqn.primitive.name, [v.aval for v in eqn.invars]
+    name = eqn.primitive.name
     if name == "dot_general" or name == "add_any":
         return name
-    if name == "reduce_sum" and operands[0].size > out.size:
+    if name == "reduce_sum" and eqn.invars[0].aval.size > eqn.outvars[0].aval.size:
         return name
-    shared = name in ("add", "sub") and readers.get(eqn.outvars[0], 0) >= 2
-    whole = all(not isinstance(v, Literal) and v.aval.shape == out.shape for v in eqn.invars)
-    if shared and whole and not any(v in broadcasts for v in eqn.invars):
+    if guards_shared_sum(eqn, readers, broadcasts):  # scalify's own choice of joins
         return "sum"
-    if name == "convert_element_type" and eqn.invars[0] in inputs:
-        return "cast"
-    return None
+    return "cast" if _casts_input(eqn, inputs) else None
+
+
+def _narrow_tensor_out(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` has one output, a float16 array of rank 1 or more."""
+    out = eqn.outvars[0].aval if len(eqn.outvars) == 1 else None
+    return out is not None and getattr(out, "dtype", None) == F16 and out.ndim > 0
+
+
+def _casts_input(eqn: JaxprEqn, inputs: set) -> bool:
+    """Whether ``eqn`` casts one of ``inputs`` (the step's parameters) to a float16 array."""
+    cast = eqn.primitive.name == "convert_element_type" and _narrow_tensor_out(eqn)
+    return cast and eqn.invars[0] in inputs
 
 
 def _guarded(eqn: JaxprEqn, values: list) -> jax.Array:

@@ -36,6 +36,14 @@ def test_data_in_the_guard_band_comes_out_as_the_plain_program_s():
     assert guard_floor.guard_counts(jax.make_jaxpr(floored)(x, w).jaxpr) == {"dot_general": 1}
 
 
+def test_contractions_inside_jit_and_checkpoint_are_guarded_too():
+    x, w = jnp.ones((16, 64), F16), jnp.full((64, 8), 0.5, F16)
+    for wrap in (jax.jit, jax.checkpoint):
+        floored = guard_floor.guard_floor(wrap(_matmuls))
+        np.testing.assert_array_equal(np.asarray(floored(x, w)[1]), np.asarray(_matmuls(x, w)[1]))
+        assert guard_floor.guard_counts(jax.make_jaxpr(floored)(x, w).jaxpr) == {"dot_general": 1}
+
+
 def test_a_guard_that_moves_a_power_of_two_stays_in_the_compiled_program():
     x, w = jnp.full((16, 64), 2.0**10, F16), jnp.full((64, 8), 0.5, F16)  # products of 2^15
     floored = jax.jit(guard_floor.guard_floor(_matmuls))
